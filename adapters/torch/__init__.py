@@ -1,0 +1,1 @@
+"""The PyTorch framework adapter and its backends (local, ddp, ...)."""

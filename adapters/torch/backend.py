@@ -1,0 +1,119 @@
+"""What every PyTorch backend shares: device choice, the default hooks, gloo/NCCL collectives.
+
+A backend subclasses `TorchBackend` and overrides only the hooks it owns
+(``wrap``, ``no_sync``, ``backward``, ``optimizer_step``, ``full_state``, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polytrain.spec import TrainSpec
+from polytrain.world import World
+
+REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def choose_device(cuda_available: bool, local_rank: int) -> str:
+    """``cuda:<local rank>`` when a GPU is there, else ``cpu``."""
+    return f"cuda:{local_rank}" if cuda_available else "cpu"
+
+
+def choose_process_group_backend(device: str, nccl_available: bool) -> str:
+    """NCCL for GPU tensors when the build has it; gloo otherwise (CPU, or no NCCL)."""
+    return "nccl" if device.startswith("cuda") and nccl_available else "gloo"
+
+
+class TorchBackend:
+    name = "base"
+
+    def __init__(self, spec: TrainSpec, world: World) -> None:
+        self.spec = spec
+        self.world = world
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(choose_device(cuda, world.local_rank))
+        if cuda:
+            torch.cuda.set_device(self.device)
+
+    # ---------------------------------------------------------------- lifecycle
+    def setup(self) -> None:
+        """Start the process group when there is more than one rank."""
+        if not self.world.distributed or dist.is_initialized():
+            return
+        from polytrain.world import ensure_master
+
+        world = ensure_master(self.world)
+        nccl = dist.is_nccl_available()
+        dist.init_process_group(
+            backend=choose_process_group_backend(str(self.device), nccl),
+            init_method=f"tcp://{world.master_addr}:{world.master_port}",
+            rank=world.rank,
+            world_size=world.size,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        self._owns_group = True
+
+    def teardown(self) -> None:
+        if getattr(self, "_owns_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+    # ---------------------------------------------------------------- training hooks
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return model, optimizer
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state (collective on sharded backends)."""
+        return dict(self.unwrap(model).state_dict())
+
+    def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        self.unwrap(model).load_state_dict(dict(state))
+
+    # ---------------------------------------------------------------- collectives for the Trainer
+    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        if not dist.is_initialized():
+            return np.asarray(values)
+        tensor = torch.as_tensor(np.asarray(values, dtype=np.float64)).to(self.device)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, REDUCE_OPS[op]))
+        return tensor.cpu().numpy()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized():
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()

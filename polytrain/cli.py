@@ -1,0 +1,89 @@
+"""The ``polytrain`` command: ``train``, ``launch``, ``info``.
+
+Bad input ends with one line on stderr naming the field or flag, and exit code 2;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from polytrain.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and still exit code 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from polytrain import spec as spec_mod
+    from polytrain.trainer import Trainer
+
+    spec = spec_mod.load(args.spec, args.set or ())
+    Trainer(spec, show_progress=not args.quiet).fit()
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from polytrain import launchers
+
+    return launchers.run(launchers.request_from_args(args), dry_run=args.dry_run)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from polytrain import info
+
+    report = info.collect()
+    print(info.to_json(report) if args.json else info.to_table(report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="polytrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser("train", help="train from a spec, as one rank of whatever launched this process")
+    train.add_argument("spec", nargs="?", default=None, help="YAML/TOML/JSON spec file (default: built-in defaults)")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field, e.g. loop.epochs=3")
+    train.add_argument("--quiet", action="store_true", help="no progress output")
+    train.set_defaults(func=_cmd_train)
+
+    launch = sub.add_parser("launch", help="build and run the launcher command line for N processes")
+    try:
+        from polytrain.launchers import add_launch_arguments
+    except ImportError:  # launchers not installed: keep train/info working
+        add_launch_arguments = None
+    if add_launch_arguments is not None:
+        add_launch_arguments(launch)
+    launch.set_defaults(func=_cmd_launch)
+
+    info = sub.add_parser("info", help="versions, launchers and which backends are usable here")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"polytrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("polytrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Datasets as numpy arrays, and the per-rank plan of which samples each step uses.
+
+Every framework reads the same arrays and the same plan, so PyTorch and TensorFlow
+runs of one spec see the same samples in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from polytrain.errors import SpecError
+from polytrain.protocols import DatasetInfo
+from polytrain.spec import DataSpec
+
+
+@dataclass(frozen=True)
+class Dataset:
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    info: DatasetInfo
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray, tuple[int, int, int]]:
+    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32)
+    return x, bunch.target.astype(np.int64), (1, 8, 8)
+
+
+def _synthetic(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
+    s = spec.synthetic
+    rng = np.random.default_rng(s.seed)
+    x = rng.standard_normal((s.samples, s.features)).astype(np.float32)
+    if s.task == "regression":
+        w = rng.standard_normal((s.features,)).astype(np.float32)
+        y = x @ w / math.sqrt(s.features) + s.noise * rng.standard_normal(s.samples).astype(np.float32)
+        return x, y.astype(np.float32)
+    centers = rng.standard_normal((s.classes, s.features)).astype(np.float32) * 2.0
+    y = rng.integers(0, s.classes, size=s.samples)
+    x = x * (1.0 + s.noise) + centers[y]
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            if "x" not in arrays or "y" not in arrays:
+                raise SpecError(f"data.path: {path} must hold arrays named 'x' and 'y' (found: {', '.join(arrays)})")
+            x, y = arrays["x"], arrays["y"]
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"data.path: {path} is not a readable .npz file: {exc}") from exc
+    if len(x) != len(y) or len(x) == 0:
+        raise SpecError(f"data.path: x and y must have the same, non-zero length (x: {len(x)}, y: {len(y)})")
+    x = x.astype(np.float32)
+    y = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
+    return x, y
+
+
+def load_dataset(spec: DataSpec, seed: int) -> Dataset:
+    """Load and split ``spec``'s data; the split depends only on ``seed``."""
+    image_shape = None
+    if spec.name == "digits":
+        x, y, image_shape = _digits()
+    elif spec.name == "synthetic":
+        x, y = _synthetic(spec)
+    else:
+        x, y = _npz(spec.path or "")
+        if x.ndim == 4:
+            image_shape = tuple(x.shape[1:])
+            x = x.reshape(len(x), -1)
+    regression = y.dtype == np.float32
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_val = int(round(len(x) * spec.val_fraction))
+    val, train = order[:n_val], order[n_val:]
+    if len(train) == 0:
+        raise SpecError(f"data.val_fraction: {spec.val_fraction} leaves no training samples")
+    num_outputs = 1 if regression else int(y.max()) + 1
+    info = DatasetInfo(
+        input_shape=tuple(x.shape[1:]),
+        num_outputs=num_outputs,
+        task="regression" if regression else "classification",
+        image_shape=image_shape,
+    )
+    return Dataset(x[train], y[train], x[val], y[val], info)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """This rank's micro-batches for one optimizer step, and the step's global sample count."""
+
+    micro_batches: list[np.ndarray]
+    global_count: int
+
+
+def steps_per_epoch(n_train: int, batch_size: int, world_size: int, accum: int) -> int:
+    return math.ceil(n_train / (batch_size * world_size * accum))
+
+
+def epoch_plan(n_train: int, *, seed: int, epoch: int, batch_size: int, world_size: int, rank: int,
+               accum: int, start_step: int = 0) -> Iterator[StepPlan]:
+    """The steps of one epoch for one rank.
+
+    The epoch's permutation depends only on (seed, epoch); each step takes the next
+    ``batch_size × world_size × accum`` samples, splits them evenly across ranks and
+    then across micro-steps. Every training sample is used exactly once per epoch;
+    the last step may be smaller (some ranks may then have empty micro-batches).
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(n_train)
+    global_batch = batch_size * world_size * accum
+    for step in range(start_step, steps_per_epoch(n_train, batch_size, world_size, accum)):
+        chunk = order[step * global_batch:(step + 1) * global_batch]
+        mine = np.array_split(chunk, world_size)[rank]
+        yield StepPlan(micro_batches=np.array_split(mine, accum), global_count=len(chunk))
+
+
+def eval_shard(n: int, world_size: int, rank: int) -> np.ndarray:
+    """The validation indices this rank evaluates (contiguous, together exactly all of them)."""
+    return np.array_split(np.arange(n), world_size)[rank]

@@ -1,0 +1,28 @@
+"""Errors a user can fix: the CLI prints them as one line and exits with code 2."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input (spec field, CLI flag, environment, file) — a one-line message, exit code 2.
+
+    The message names the field or flag and what is allowed.
+    """
+
+    exit_code = 2
+
+
+class SpecError(UserError):
+    """An invalid training specification."""
+
+
+class EnvironmentDetectionError(UserError):
+    """The launcher's environment variables contradict each other."""
+
+
+class LaunchError(UserError):
+    """A launcher cannot be built or started as asked."""
+
+
+class BackendUnavailableError(UserError):
+    """A backend or framework is asked for but is not installed/usable here."""

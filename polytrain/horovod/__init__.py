@@ -1,0 +1,1 @@
+"""The Horovod-compatible API: ``polytrain.horovod.torch``, ``.tensorflow``, ``.keras``."""

@@ -1,0 +1,64 @@
+"""The two seams the Trainer talks through. The Trainer sees numpy arrays and floats only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    input_shape: tuple[int, ...]  # one sample, e.g. (64,) for digits
+    num_outputs: int  # classes, or 1 for regression
+    task: str  # "classification" | "regression"
+    image_shape: tuple[int, int, int] | None = None  # (channels, height, width) when samples are images
+
+
+class Backend(Protocol):
+    """A distribution strategy. Framework-specific backends add their own hooks
+    (e.g. a torch backend wraps modules); these are what the Trainer itself calls."""
+
+    name: str
+
+    def setup(self) -> None: ...
+
+    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
+
+    def teardown(self) -> None: ...
+
+
+class Framework(Protocol):
+    """Builds the model and runs steps on it, through a backend."""
+
+    def build(self, info: DatasetInfo) -> None: ...
+
+    def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
+        """Forward + backward of one micro-batch; returns the summed (unscaled) loss of its samples.
+
+        The backward pass uses ``loss_sum * loss_scale``; gradients are synchronised
+        across ranks only when ``sync`` is true (the last micro-step of a step).
+        """
+        ...
+
+    def optimizer_step(self, lr: float, clip_norm: float | None) -> float | None:
+        """Apply accumulated gradients with learning rate ``lr``; returns the gradient norm if clipped."""
+        ...
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
+        """(summed loss, number correct, count) over the given samples."""
+        ...
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """The full model as portable name → array (collective: every rank calls it)."""
+        ...
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None: ...

@@ -1,0 +1,130 @@
+"""The one resolver: names in a spec → framework adapters, backend adapters, zoo models.
+
+A backend is a row in ``BACKENDS``: which framework it serves, where its class lives
+(imported only when used), which modules must import for it to be usable and what to
+install otherwise. Adding a backend is adding a row and a module; the Trainer never
+branches on a backend's name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from polytrain.errors import BackendUnavailableError, SpecError
+
+if TYPE_CHECKING:
+    from polytrain.spec import TrainSpec
+    from polytrain.world import World
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    name: str
+    framework: str
+    target: str  # "module:Class"
+    requires: tuple[str, ...]
+    install_hint: str
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    min_world: int = 1
+    max_world: int | None = None
+
+    def unusable_reason(self) -> str | None:
+        """Why this backend cannot run here, or None when it can."""
+        for module in self.requires:
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                return f"{module} is not installed ({self.install_hint})"
+        return None
+
+
+TORCH_HINT = "pip install 'polytrain[torch]'"
+
+BACKENDS: tuple[BackendEntry, ...] = (
+    BackendEntry("local", "torch", "polytrain.adapters.torch.local:LocalBackend", ("torch",), TORCH_HINT,
+                 max_world=1),
+    BackendEntry("ddp", "torch", "polytrain.adapters.torch.ddp:DDPBackend", ("torch",), TORCH_HINT),
+)
+
+FRAMEWORK_ADAPTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "torch": ("polytrain.adapters.torch.framework:TorchFramework", ("torch",), TORCH_HINT),
+    "tensorflow": ("polytrain.adapters.tensorflow.framework:TensorFlowFramework", ("tensorflow",),
+                   "pip install 'polytrain[tensorflow]'"),
+}
+
+
+def _auto_torch(world: World) -> str:
+    return "ddp" if world.size > 1 else "local"
+
+
+# backend: auto, per framework: a function of the World (and later, of what is installed).
+AUTO_RULES: dict[str, Callable[[World], str]] = {"torch": _auto_torch}
+
+
+def backends_for(framework: str) -> dict[str, BackendEntry]:
+    return {b.name: b for b in BACKENDS if b.framework == framework}
+
+
+def all_backend_names() -> list[str]:
+    return sorted({b.name for b in BACKENDS})
+
+
+def _import(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def validate(spec: TrainSpec) -> None:
+    """Check the names in a spec against what exists (not against what is installed)."""
+    from polytrain import zoo
+
+    zoo.model_params(spec.model.name, spec.model.params)
+    known = backends_for(spec.framework)
+    if spec.framework not in AUTO_RULES and spec.framework not in {b.framework for b in BACKENDS}:
+        raise SpecError(f"framework: {spec.framework!r} has no backend yet in this version (allowed: torch)")
+    if spec.backend != "auto" and spec.backend not in known:
+        others = [b.framework for b in BACKENDS if b.name == spec.backend]
+        why = f" (it exists for {', '.join(others)})" if others else ""
+        raise SpecError(
+            f"backend: {spec.backend!r} is not available for framework {spec.framework!r}{why}; "
+            f"allowed: auto, {', '.join(known)}")
+    if spec.backend != "auto":
+        entry = known[spec.backend]
+        if spec.precision not in entry.precisions:
+            raise SpecError(
+                f"precision: {spec.precision!r} is not supported on backend {spec.backend!r} "
+                f"(allowed: {', '.join(entry.precisions)})")
+
+
+def resolve_backend_name(spec: TrainSpec, world: World) -> str:
+    name = AUTO_RULES[spec.framework](world) if spec.backend == "auto" else spec.backend
+    entry = backends_for(spec.framework)[name]
+    if world.size < entry.min_world or (entry.max_world is not None and world.size > entry.max_world):
+        limit = entry.max_world if entry.max_world is not None else "any"
+        raise SpecError(
+            f"backend: {name!r} runs with {entry.min_world}..{limit} processes, but the launcher "
+            f"({world.launcher}) started {world.size}; use backend 'auto' or a distributed backend")
+    if spec.precision not in entry.precisions:
+        raise SpecError(
+            f"precision: {spec.precision!r} is not supported on backend {name!r} "
+            f"(allowed: {', '.join(entry.precisions)})")
+    return name
+
+
+def create_backend(spec: TrainSpec, world: World) -> Any:
+    name = resolve_backend_name(spec, world)
+    entry = backends_for(spec.framework)[name]
+    reason = entry.unusable_reason()
+    if reason:
+        raise BackendUnavailableError(f"backend: {name!r} cannot run here: {reason}")
+    return _import(entry.target)(spec, world)
+
+
+def create_framework(spec: TrainSpec, world: World, backend: Any) -> Any:
+    target, requires, hint = FRAMEWORK_ADAPTERS[spec.framework]
+    for module in requires:
+        if importlib.util.find_spec(module) is None:
+            raise BackendUnavailableError(f"framework: {spec.framework!r} needs {module}, not installed ({hint})")
+    return _import(target)(spec, world, backend)

@@ -1,0 +1,327 @@
+"""TrainSpec: one training specification, frozen, validated, framework- and backend-neutral.
+
+A spec is loaded from YAML, TOML, JSON or a dict. Every invalid input raises a
+`SpecError` whose one-line message names the field (``optimizer.lr``) and what is
+allowed. Validation is driven by the dataclass fields themselves: their type hints
+plus a small ``metadata`` rule (``choices``, ``min``, ``max``) per field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polytrain.errors import SpecError
+
+FRAMEWORKS = ("torch", "tensorflow")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _rule(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        raise TypeError("use a tuple or a Mapping default")
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str = _rule("mlp")  # a zoo name, or an import path "package.module:factory"
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    task: str = _rule("classification", choices=("classification", "regression"))
+    samples: int = _rule(2048, min=8)
+    features: int = _rule(32, min=1)
+    classes: int = _rule(4, min=2)
+    noise: float = _rule(0.1, min=0.0)
+    seed: int = _rule(0, min=0)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    name: str = _rule("digits", choices=("digits", "synthetic", "npz"))
+    path: str | None = None
+    batch_size: int = _rule(32, min=1)  # per worker, per micro-step
+    val_fraction: float = _rule(0.2, min=0.0, max=0.9)
+    synthetic: SyntheticSpec = field(default_factory=SyntheticSpec)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = _rule("sgd", choices=("sgd", "adam", "adamw"))
+    lr: float = _rule(0.05, min=0.0, min_exclusive=True)
+    momentum: float = _rule(0.0, min=0.0, max=1.0)
+    nesterov: bool = False
+    weight_decay: float = _rule(0.0, min=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = _rule(1e-8, min=0.0, min_exclusive=True)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    lr_scaling: str = _rule("none", choices=("linear", "sqrt", "none"))
+    warmup_epochs: float = _rule(0.0, min=0.0)
+    decay: str = _rule("none", choices=("none", "cosine", "step"))
+    step_epochs: int = _rule(1, min=1)  # step decay: multiply by gamma every step_epochs
+    gamma: float = _rule(0.1, min=0.0, max=1.0)
+    min_lr: float = _rule(0.0, min=0.0)
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    epochs: int = _rule(10, min=1)
+    max_steps: int | None = _rule(None, min=1)
+    grad_accum_steps: int = _rule(1, min=1)
+    grad_clip_norm: float | None = _rule(None, min=0.0, min_exclusive=True)
+    log_every_n_steps: int = _rule(10, min=1)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    framework: str = _rule("torch", choices=FRAMEWORKS)
+    backend: str = "auto"
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    loop: LoopSpec = field(default_factory=LoopSpec)
+    precision: str = _rule("fp32", choices=PRECISIONS)
+    seed: int = _rule(0, min=0)
+    output: str = "runs/polytrain"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    def digest(self) -> str:
+        """A short hash of everything that defines the training (not where it writes)."""
+        payload = self.to_dict()
+        payload.pop("output", None)
+        text = json.dumps(payload, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return "a list"
+        return f"a list of {len(args)} numbers"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    if origin is not None and issubclass(origin, Mapping):
+        return "a table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except SpecError:
+                continue
+        raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{where}: expected a table of {_field_list(tp)}, got {value!r}")
+        return _build(tp, value, where)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+                raise SpecError(f"{where}: expected a non-empty list of {_type_name(args[0])}, got {value!r}")
+            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != len(args):
+            raise SpecError(f"{where}: expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is not None and issubclass(origin, Mapping):
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{where}: expected a table, got {value!r}")
+        return types.MappingProxyType(dict(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise SpecError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise SpecError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise SpecError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str) and value:
+            return value
+        raise SpecError(f"{where}: expected a non-empty string, got {value!r}")
+    raise TypeError(f"unsupported spec type {tp!r} at {where}")  # a bug in this module
+
+
+def _check_rule(value: Any, meta: Mapping[str, Any], where: str) -> None:
+    if value is None:
+        return
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise SpecError(f"{where}: {value!r} is not allowed (allowed: {', '.join(map(str, choices))})")
+    low, high = meta.get("min"), meta.get("max")
+    if low is not None and (value < low or (meta.get("min_exclusive") and value == low)):
+        bound = f"> {low}" if meta.get("min_exclusive") else f">= {low}"
+        raise SpecError(f"{where}: {value!r} is out of range (must be {bound})")
+    if high is not None and value > high:
+        raise SpecError(f"{where}: {value!r} is out of range (must be <= {high})")
+
+
+def _field_list(cls: type) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecError(f"{where}: unknown field{hint}; allowed: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in raw.items():
+        where = f"{prefix}.{name}" if prefix else name
+        coerced = _coerce(value, hints[name], where)
+        _check_rule(coerced, fields[name].metadata, where)
+        kwargs[name] = coerced
+    return cls(**kwargs)
+
+
+def _check_combinations(spec: TrainSpec) -> None:
+    """Rules that involve more than one field."""
+    data = spec.data
+    if data.name == "npz" and not data.path:
+        raise SpecError("data.path: required when data.name is 'npz' (a .npz file with arrays x and y)")
+    if data.name != "npz" and data.path:
+        raise SpecError(f"data.path: only used with data.name 'npz', not {data.name!r}")
+    if data.path and not Path(data.path).is_file():
+        raise SpecError(f"data.path: file not found: {data.path}")
+    if spec.optimizer.nesterov and (spec.optimizer.name != "sgd" or spec.optimizer.momentum <= 0):
+        raise SpecError("optimizer.nesterov: needs optimizer.name 'sgd' and optimizer.momentum > 0")
+    for i, beta in enumerate(spec.optimizer.betas):
+        if not 0.0 <= beta < 1.0:
+            raise SpecError(f"optimizer.betas[{i}]: {beta!r} is out of range (must be in [0, 1))")
+    if spec.schedule.min_lr >= spec.optimizer.lr:
+        raise SpecError(f"schedule.min_lr: {spec.schedule.min_lr!r} must be below optimizer.lr {spec.optimizer.lr!r}")
+    if spec.schedule.warmup_epochs > spec.loop.epochs:
+        raise SpecError(f"schedule.warmup_epochs: {spec.schedule.warmup_epochs!r} exceeds loop.epochs {spec.loop.epochs}")
+
+
+def from_dict(raw: Mapping[str, Any], *, validate_components: bool = True) -> TrainSpec:
+    """Build and validate a TrainSpec from plain data."""
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"spec: expected a table at the top level, got {type(raw).__name__}")
+    spec = _build(TrainSpec, raw, "")
+    _check_combinations(spec)
+    if validate_components:
+        from polytrain import registry
+
+        registry.validate(spec)
+    return spec
+
+
+def parse_text(text: str, suffix: str, source: str = "spec") -> dict[str, Any]:
+    """Parse YAML/TOML/JSON text into plain data, with a one-line error on bad syntax."""
+    try:
+        if suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            return tomllib.loads(text)
+        if suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        data = yaml.safe_load(text)
+        return {} if data is None else data
+    except Exception as exc:  # each parser has its own error class; all mean "bad syntax"
+        detail = " ".join(str(exc).split())
+        raise SpecError(f"{source}: cannot parse {suffix.lstrip('.').upper() or 'YAML'}: {detail}") from exc
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.suffix not in (".yaml", ".yml", ".toml", ".json"):
+        raise SpecError(f"spec: {path}: unknown file type (allowed: .yaml, .yml, .toml, .json)")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"spec: cannot read {path}: {exc.strerror}") from exc
+    return parse_text(text, path.suffix, str(path))
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars/lists)."""
+    import copy
+
+    import yaml
+
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"spec: expected a table at the top level, got {type(raw).__name__}")
+    out = copy.deepcopy(dict(raw))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optimizer.lr=0.1")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError(f"--set {key}: cannot parse value {text!r}") from exc
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise SpecError(f"--set {key}: {part!r} is not a table")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainSpec:
+    """Load a spec file (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
+    raw = load_raw(path) if path is not None else {}
+    return from_dict(apply_overrides(raw, overrides))

@@ -1,0 +1,65 @@
+"""The model zoo, framework-neutral: names, their parameters and validation.
+
+Each framework adapter builds the same architecture from these parameters, with the
+same parameter names and shapes (see ``docs/portable-state.md``), so a state exported
+by one framework loads into the other.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from polytrain.errors import SpecError
+from polytrain.spec import _build, _rule
+
+
+@dataclass(frozen=True)
+class MLPParams:
+    hidden_sizes: tuple[int, ...] = (128, 64)
+    activation: str = _rule("relu", choices=("relu", "gelu", "tanh"))
+
+
+@dataclass(frozen=True)
+class ConvNetParams:
+    channels: tuple[int, ...] = (16, 32)
+    kernel_size: int = _rule(3, choices=(3, 5))
+    activation: str = _rule("relu", choices=("relu", "gelu", "tanh"))
+
+
+ZOO: dict[str, type] = {"mlp": MLPParams, "convnet": ConvNetParams}
+
+
+def is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def model_params(name: str, params: Mapping[str, Any]) -> Any:
+    """Validated parameters of a zoo model (a dataclass), or the raw mapping for a user factory."""
+    if is_import_path(name):
+        load_factory(name)
+        return dict(params)
+    if name not in ZOO:
+        raise SpecError(f"model.name: unknown model {name!r} (allowed: {', '.join(ZOO)}, or package.module:factory)")
+    params_obj = _build(ZOO[name], params, "model.params")
+    for i, size in enumerate(getattr(params_obj, "hidden_sizes", ()) + getattr(params_obj, "channels", ())):
+        if size < 1:
+            raise SpecError(f"model.params: sizes must be >= 1, got {size} at position {i}")
+    return params_obj
+
+
+def load_factory(path: str) -> Any:
+    """Import ``package.module:factory``; one-line errors when it is not there."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise SpecError(f"model.name: {path!r} is not an import path of the form package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SpecError(f"model.name: cannot import module {module_name!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise SpecError(f"model.name: {module_name!r} has no callable {attr!r}")
+    return factory

@@ -1,0 +1,66 @@
+"""Helpers for tests that start real processes: timeouts, loopback pinned, no process left behind.
+
+Import as ``from procs import run, check, loopback_env, free_port`` (tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_env(**extra: str) -> dict[str, str]:
+    """The environment for a multi-process test: loopback only, one thread per rank, MPI as root."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "SLURM_", "HOROVOD_",
+                                                                     "TORCHELASTIC_", "PMIX_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(key, None)
+    env.update(
+        MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
+        OMPI_MCA_oob_tcp_if_include="lo", PRTE_MCA_oob_tcp_if_include="lo", TF_CPP_MIN_LOG_LEVEL="2",
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], *, timeout: float = 240, env: dict[str, str] | None = None,
+        cwd: Path | str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill the whole group and fail the test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env if env is not None else loopback_env(), cwd=cwd or REPO,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of this group may outlive the test
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def check(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}: {' '.join(result.args)}\nstdout:\n{result.stdout[-4000:]}\n"
+        f"stderr:\n{result.stderr[-4000:]}")
+    return result
