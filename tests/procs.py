@@ -32,7 +32,7 @@ def loopback_env(**extra: str) -> dict[str, str]:
     env.update(
         MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
-        OMPI_MCA_oob_tcp_if_include="lo", PRTE_MCA_oob_tcp_if_include="lo", TF_CPP_MIN_LOG_LEVEL="2",
+        OMPI_MCA_oob_tcp_if_include="lo", TF_CPP_MIN_LOG_LEVEL="2",
         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     )
     env.update(extra)
