@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from polytrain.world import World
 
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported here, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     name: str
@@ -35,7 +43,7 @@ class BackendEntry:
     def unusable_reason(self) -> str | None:
         """Why this backend cannot run here, or None when it can."""
         for module in self.requires:
-            if importlib.util.find_spec(module.split(".")[0]) is None:
+            if not installed(module.split(".")[0]):
                 return f"{module} is not installed ({self.install_hint})"
         return None
 
@@ -125,6 +133,6 @@ def create_backend(spec: TrainSpec, world: World) -> Any:
 def create_framework(spec: TrainSpec, world: World, backend: Any) -> Any:
     target, requires, hint = FRAMEWORK_ADAPTERS[spec.framework]
     for module in requires:
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             raise BackendUnavailableError(f"framework: {spec.framework!r} needs {module}, not installed ({hint})")
     return _import(target)(spec, world, backend)
