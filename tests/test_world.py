@@ -1,0 +1,69 @@
+"""World basics, free_port, and the cases of ensure_master that need no MPI."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from polytrain.errors import EnvironmentDetectionError
+from polytrain.world import World, detect_world, ensure_master, free_port
+
+
+def test_world_defaults_are_one_process() -> None:
+    world = World()
+    assert (world.rank, world.size, world.launcher) == (0, 1, "single")
+    assert world.is_main and not world.distributed and not world.master_known
+    assert World(rank=1, size=2, master_port=29500).distributed
+    assert not World(rank=1, size=2).is_main
+
+
+def test_free_port_is_bindable_and_in_range() -> None:
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # nothing holds it
+    assert 1024 <= free_port("0.0.0.0") <= 65535
+
+
+def test_free_port_skips_a_taken_port() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert all(free_port() != taken for _ in range(20))
+
+
+def test_ensure_master_leaves_single_and_known_worlds_alone() -> None:
+    single = World()
+    assert ensure_master(single) is single
+    known = World(rank=1, size=2, local_rank=1, local_size=2, master_addr="127.0.0.1", master_port=29500,
+                  launcher="openmpi")
+    assert ensure_master(known) is known
+    torchrun = detect_world({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x"})
+    assert ensure_master(torchrun) is torchrun
+
+
+@pytest.mark.parametrize(("env", "missing"), [
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT not set"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2",
+      "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1", "HOROVOD_CONTROLLER": "gloo"},
+     "MASTER_ADDR and MASTER_PORT not set"),
+])
+def test_ensure_master_without_mpi_asks_for_master_variables(env: dict[str, str], missing: str) -> None:
+    with pytest.raises(EnvironmentDetectionError, match=f"^{missing} and launcher") as info:
+        ensure_master(detect_world(env))
+    assert "export MASTER_ADDR and MASTER_PORT" in str(info.value)
+
+
+def test_import_polytrain_imports_no_framework_nor_mpi() -> None:
+    code = ("import sys, polytrain, polytrain.environments, polytrain.world;"
+            "w = polytrain.detect_world({'OMPI_COMM_WORLD_RANK': '0', 'OMPI_COMM_WORLD_SIZE': '2',"
+            " 'OMPI_COMM_WORLD_LOCAL_RANK': '0', 'OMPI_COMM_WORLD_LOCAL_SIZE': '2'});"
+            "assert w.launcher == 'openmpi' and w.master_port is None;"
+            "print(sorted(m for m in ('torch', 'tensorflow', 'mpi4py') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
