@@ -99,22 +99,26 @@ class StepPlan:
     global_count: int
 
 
-def steps_per_epoch(n_train: int, batch_size: int, world_size: int, accum: int) -> int:
-    return math.ceil(n_train / (batch_size * world_size * accum))
+def global_batch_size(spec: DataSpec, world_size: int, accum: int) -> int:
+    """Samples per optimizer step: ``data.global_batch_size``, else batch_size × world size × accumulation."""
+    return spec.global_batch_size or spec.batch_size * world_size * accum
 
 
-def epoch_plan(n_train: int, *, seed: int, epoch: int, batch_size: int, world_size: int, rank: int,
+def steps_per_epoch(n_train: int, global_batch: int) -> int:
+    return math.ceil(n_train / global_batch)
+
+
+def epoch_plan(n_train: int, *, seed: int, epoch: int, global_batch: int, world_size: int, rank: int,
                accum: int, start_step: int = 0) -> Iterator[StepPlan]:
     """The steps of one epoch for one rank.
 
     The epoch's permutation depends only on (seed, epoch); each step takes the next
-    ``batch_size × world_size × accum`` samples, splits them evenly across ranks and
-    then across micro-steps. Every training sample is used exactly once per epoch;
-    the last step may be smaller (some ranks may then have empty micro-batches).
+    ``global_batch`` samples, splits them evenly across ranks and then across
+    micro-steps. Every training sample is used exactly once per epoch; the last step
+    may be smaller (some ranks may then have empty micro-batches).
     """
     order = np.random.default_rng([seed, epoch]).permutation(n_train)
-    global_batch = batch_size * world_size * accum
-    for step in range(start_step, steps_per_epoch(n_train, batch_size, world_size, accum)):
+    for step in range(start_step, steps_per_epoch(n_train, global_batch)):
         chunk = order[step * global_batch:(step + 1) * global_batch]
         mine = np.array_split(chunk, world_size)[rank]
         yield StepPlan(micro_batches=np.array_split(mine, accum), global_count=len(chunk))

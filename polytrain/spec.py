@@ -52,6 +52,9 @@ class DataSpec:
     name: str = _rule("digits", choices=("digits", "synthetic", "npz"))
     path: str | None = None
     batch_size: int = _rule(32, min=1)  # per worker, per micro-step
+    # When set, a step takes this many samples whatever the world size (split across ranks and
+    # micro-steps), so runs at different world sizes see the same batches; batch_size is then unused.
+    global_batch_size: int | None = _rule(None, min=1)
     val_fraction: float = _rule(0.2, min=0.0, max=0.9)
     synthetic: SyntheticSpec = field(default_factory=SyntheticSpec)
 
@@ -87,6 +90,14 @@ class LoopSpec:
 
 
 @dataclass(frozen=True)
+class CheckpointSpec:
+    dir: str | None = None  # default: <output>/checkpoints
+    every_n_steps: int | None = _rule(None, min=1)
+    every_n_epochs: int | None = _rule(None, min=1)
+    keep_last: int = _rule(3, min=1)
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     framework: str = _rule("torch", choices=FRAMEWORKS)
     backend: str = "auto"
@@ -98,6 +109,7 @@ class TrainSpec:
     precision: str = _rule("fp32", choices=PRECISIONS)
     seed: int = _rule(0, min=0)
     output: str = "runs/polytrain"
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -105,9 +117,26 @@ class TrainSpec:
     def digest(self) -> str:
         """A short hash of everything that defines the training (not where it writes)."""
         payload = self.to_dict()
-        payload.pop("output", None)
-        text = json.dumps(payload, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        for key in ("output", "checkpoint"):
+            payload.pop(key, None)
+        return _hash(payload)
+
+    def model_digest(self) -> str:
+        """A hash of what a checkpoint's tensors depend on: model, data and seed.
+
+        Two specs with the same model digest can resume each other's checkpoints, on any
+        backend and world size."""
+        payload = self.to_dict()
+        data = {k: v for k, v in payload["data"].items() if k not in ("batch_size", "global_batch_size")}
+        return _hash({"model": payload["model"], "data": data, "seed": payload["seed"]})
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output) / "checkpoints"
+
+
+def _hash(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _plain(value: Any) -> Any:

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from polytrain import checkpoint as ckpt
 from polytrain import registry
-from polytrain.checkpoint import state_digest, write_model
-from polytrain.data import Dataset, epoch_plan, eval_shard, load_dataset, steps_per_epoch
+from polytrain.data import Dataset, epoch_plan, eval_shard, global_batch_size, load_dataset, steps_per_epoch
 from polytrain.metrics import MetricsLog, Progress
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
@@ -39,19 +39,30 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class Position:
+    """Where training stands: the next step to run, its epoch and index within the epoch."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+
+
 class Trainer:
-    def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True) -> None:
+    def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
+                 resume: str | None = None) -> None:
         self.spec = spec
         self.world = world if world is not None else detect_world()
         self.show_progress = show_progress
+        self.resume = resume
+        self._last_saved: int | None = None
 
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
         self.backend = registry.create_backend(spec, world)
         self.backend.setup()
         is_main = world.rank == 0
-        out_dir = Path(spec.output)
-        self.log = MetricsLog(out_dir / "metrics.jsonl" if is_main else None)
+        self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
         self.progress = Progress(enabled=is_main and self.show_progress)
         try:
             data = load_dataset(spec.data, spec.seed)
@@ -61,30 +72,36 @@ class Trainer:
                 f"polytrain: {spec.framework}/{self.backend.name} on {world.size} process(es) "
                 f"(launcher: {world.launcher}); {len(data.x_train)} training samples, "
                 f"{len(data.x_val)} validation samples")
-            result = self._loop(data)
-            self._save(result)
+            self.global_batch = global_batch_size(spec.data, world.size, spec.loop.grad_accum_steps)
+            self.per_epoch = steps_per_epoch(len(data.x_train), self.global_batch)
+            start = self._restore() if self.resume else Position()
+            result = self._loop(data, start)
+            self._save_model(result)
             return result
         finally:
             self.log.close()
             self.backend.teardown()
 
     # ------------------------------------------------------------------ the loop
-    def _loop(self, data: Dataset) -> TrainResult:
-        spec, world, fw = self.spec, self.world, self.framework
-        loop = spec.loop
-        per_epoch = steps_per_epoch(len(data.x_train), spec.data.batch_size, world.size, loop.grad_accum_steps)
+    def _loop(self, data: Dataset, start: Position) -> TrainResult:
+        spec, world, fw, loop = self.spec, self.world, self.framework, self.spec.loop
+        per_epoch = self.per_epoch
         total = per_epoch * loop.epochs if loop.max_steps is None else min(loop.max_steps, per_epoch * loop.epochs)
-        result = TrainResult()
-        step = 0
-        for epoch in range(loop.epochs):
+        every_steps, every_epochs = spec.checkpoint.every_n_steps, spec.checkpoint.every_n_epochs
+        result = TrainResult(global_step=start.step, epochs_done=start.epoch)
+        step = start.step
+        here = Position(start.step, start.epoch, start.step_in_epoch)  # where the loop stands, for saves
+        for epoch in range(start.epoch, loop.epochs):
             if step >= total:
                 break
-            self.progress.start_epoch(epoch, loop.epochs, min(per_epoch, total - step))
+            first = start.step_in_epoch if epoch == start.epoch else 0
+            self.progress.start_epoch(epoch, loop.epochs, min(per_epoch, first + total - step))
             window = np.zeros(2)  # summed loss, samples since the last report
             window_start = time.perf_counter()
-            for i, plan in enumerate(epoch_plan(
-                    len(data.x_train), seed=spec.seed, epoch=epoch, batch_size=spec.data.batch_size,
-                    world_size=world.size, rank=world.rank, accum=loop.grad_accum_steps)):
+            plans = epoch_plan(len(data.x_train), seed=spec.seed, epoch=epoch, global_batch=self.global_batch,
+                               world_size=world.size, rank=world.rank, accum=loop.grad_accum_steps,
+                               start_step=first)
+            for i, plan in enumerate(plans, start=first):
                 if step >= total:
                     break
                 scale = world.size / plan.global_count
@@ -96,6 +113,7 @@ class Trainer:
                            steps_per_epoch=per_epoch, total_steps=total)
                 fw.optimizer_step(lr, loop.grad_clip_norm)
                 step += 1
+                here = Position(step, epoch, i + 1)
                 if step % loop.log_every_n_steps == 0 or i + 1 == per_epoch or step == total:
                     loss_total, count = self.backend.all_reduce(window)
                     elapsed = time.perf_counter() - window_start
@@ -106,18 +124,32 @@ class Trainer:
                     result.train_loss, result.samples_per_s = loss, speed
                     window[:] = 0
                     window_start = time.perf_counter()
+                if every_steps and step % every_steps == 0 and i + 1 < per_epoch:
+                    self._save_checkpoint(here)
             self.progress.end_epoch()
-            val_loss, val_acc = self._evaluate(data)
-            result.global_step, result.epochs_done = step, epoch + 1
-            result.val_loss, result.val_accuracy = val_loss, val_acc
-            record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
-                      "val_accuracy": val_acc}
-            result.history.append(record)
-            self.log.write("epoch", **record)
-            acc_text = f", val accuracy {val_acc:.4f}" if val_acc is not None else ""
-            self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}, val loss {val_loss:.4f}"
-                               f"{acc_text}")
+            complete = here.epoch == epoch and here.step_in_epoch == per_epoch
+            self._end_epoch(data, result, epoch, step, complete=complete)
+            if not complete:  # stopped mid-epoch by loop.max_steps
+                break
+            here = Position(step, epoch + 1, 0)
+            if every_epochs and (epoch + 1) % every_epochs == 0 or every_steps and step % every_steps == 0:
+                self._save_checkpoint(here)
+        if (every_steps or every_epochs) and self._last_saved != step:  # always leave the final state resumable
+            self._save_checkpoint(here)
+        result.global_step = step
         return result
+
+    def _end_epoch(self, data: Dataset, result: TrainResult, epoch: int, step: int, complete: bool) -> None:
+        val_loss, val_acc = self._evaluate(data)
+        result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
+        result.val_loss, result.val_accuracy = val_loss, val_acc
+        record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
+                  "val_accuracy": val_acc}
+        result.history.append(record)
+        self.log.write("epoch", **record)
+        acc_text = f", val accuracy {val_acc:.4f}" if val_acc is not None else ""
+        self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}, val loss {val_loss:.4f}"
+                           f"{acc_text}")
 
     def _evaluate(self, data: Dataset) -> tuple[float, float | None]:
         """Each rank evaluates its shard in the same number of batches; sums are all-reduced."""
@@ -133,22 +165,83 @@ class Trainer:
         accuracy = None if data.info.task == "regression" else correct / count
         return loss_sum / count, accuracy
 
-    def _save(self, result: TrainResult) -> None:
-        state = self.framework.export_state()  # collective on sharded backends: every rank calls it
-        digests = self.backend.all_gather_object(state_digest(state))
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, pos: Position) -> None:
+        """Every rank takes part (state gathering is collective); rank 0 writes."""
+        model = self.framework.export_state()
+        optimizer = self.framework.export_optimizer_state()
+        rng = self.backend.all_gather_object(self.framework.rng_state())
+        self._last_saved = pos.step
         if self.world.rank != 0:
             return
+        manifest = {
+            **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
+            "samples_in_epoch": min(pos.step_in_epoch * self.global_batch, self.per_epoch * self.global_batch),
+            "global_batch": self.global_batch, "rng_states": rng,
+        }
+        path = ckpt.save_checkpoint(self.spec.checkpoint_dir, pos.step, {"model": model, "optimizer": optimizer},
+                                    manifest, keep_last=self.spec.checkpoint.keep_last)
+        self.log.write("checkpoint", step=pos.step, path=str(path))
+
+    def _restore(self) -> Position:
+        """Load the checkpoint named by --resume into the model and optimizer; return where to go on."""
+        found = ckpt.resolve(self.resume, self.spec.checkpoint_dir) if self.world.rank == 0 else None
+        path = self.backend.broadcast_object(str(found) if found else None)
+        if path is None:
+            self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")
+            return Position()
+        manifest, tensors = ckpt.load_checkpoint(Path(path))
+        if manifest.get("model_digest") != self.spec.model_digest():
+            raise ckpt.CheckpointError(
+                f"--resume: {path} was written by a different model/data/seed (model digest "
+                f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()})")
+        if manifest["global_batch"] != self.global_batch and manifest["step_in_epoch"]:
+            raise ckpt.CheckpointError(
+                f"--resume: {path} stopped mid-epoch with a global batch of {manifest['global_batch']}, "
+                f"this run's is {self.global_batch}; set data.global_batch_size={manifest['global_batch']}")
+        self.framework.load_state(tensors["model"])
+        self.framework.load_optimizer_state(tensors.get("optimizer", {}))
+        if manifest["world_size"] == self.world.size:
+            self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
+        pos = Position(manifest["global_step"], manifest["epoch"], manifest["step_in_epoch"])
+        self.progress.line(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "
+                           f"step {pos.step_in_epoch} of the epoch)")
+        self.log.write("resume", step=pos.step, path=str(path))
+        return pos
+
+    def _describe(self) -> dict[str, Any]:
         import polytrain
 
-        manifest = {
+        return {
             "polytrain": polytrain.__version__, "spec": self.spec.to_dict(), "spec_digest": self.spec.digest(),
-            "framework": self.spec.framework, "backend": self.backend.name, "world_size": self.world.size,
-            "global_step": result.global_step, "epochs": result.epochs_done, "val_accuracy": result.val_accuracy,
-            "val_loss": result.val_loss, "rank_state_digests": digests,
+            "model_digest": self.spec.model_digest(), "framework": self.spec.framework,
+            "backend": self.backend.name, "world_size": self.world.size, "versions": _library_versions(),
         }
-        write_model(Path(self.spec.output), state, manifest)
+
+    def _save_model(self, result: TrainResult) -> None:
+        state = self.framework.export_state()  # collective on sharded backends: every rank calls it
+        digests = self.backend.all_gather_object(ckpt.state_digest(state))
+        if self.world.rank != 0:
+            return
+        manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
+                    "val_accuracy": result.val_accuracy, "val_loss": result.val_loss, "rank_state_digests": digests}
+        ckpt.write_model(Path(self.spec.output), state, manifest)
         if result.val_accuracy is not None:
             self.progress.line(f"validation accuracy: {result.val_accuracy:.4f}")
         else:
             self.progress.line(f"validation loss: {result.val_loss:.6f}")
         self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")
+
+
+def _library_versions() -> dict[str, str]:
+    import importlib.metadata
+    import sys
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "tensorflow", "tensorflow-cpu", "keras", "deepspeed", "horovod", "numpy"):
+        if name.split("-")[0] in sys.modules:
+            try:
+                out[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return out

@@ -13,8 +13,9 @@ from polytrain.spec import DataSpec, SyntheticSpec
 def test_every_sample_once_per_epoch_across_ranks(n: int, batch: int, world: int, accum: int) -> None:
     seen = []
     for rank in range(world):
-        steps = list(epoch_plan(n, seed=3, epoch=1, batch_size=batch, world_size=world, rank=rank, accum=accum))
-        assert len(steps) == steps_per_epoch(n, batch, world, accum)
+        steps = list(epoch_plan(n, seed=3, epoch=1, global_batch=batch * world * accum, world_size=world, rank=rank,
+                                accum=accum))
+        assert len(steps) == steps_per_epoch(n, batch * world * accum)
         for plan in steps:
             assert len(plan.micro_batches) == accum
             seen.extend(np.concatenate(plan.micro_batches).tolist())
@@ -24,7 +25,8 @@ def test_every_sample_once_per_epoch_across_ranks(n: int, batch: int, world: int
 def test_step_covers_the_same_samples_for_any_split() -> None:
     """2 ranks × b, 1 rank × 2b and 1 rank × (2 micro-batches of b) use the same samples per step."""
     def step_sets(world: int, batch: int, accum: int) -> list[set[int]]:
-        per_rank = [list(epoch_plan(200, seed=0, epoch=0, batch_size=batch, world_size=world, rank=r, accum=accum))
+        per_rank = [list(epoch_plan(200, seed=0, epoch=0, global_batch=batch * world * accum, world_size=world, rank=r,
+                                    accum=accum))
                     for r in range(world)]
         return [set(np.concatenate([m for plans in per_rank for m in plans[i].micro_batches]).tolist())
                 for i in range(len(per_rank[0]))]
@@ -33,7 +35,7 @@ def test_step_covers_the_same_samples_for_any_split() -> None:
 
 
 def test_shuffle_depends_on_epoch_and_seed() -> None:
-    first = lambda seed, epoch: next(epoch_plan(50, seed=seed, epoch=epoch, batch_size=10, world_size=1, rank=0,
+    first = lambda seed, epoch: next(epoch_plan(50, seed=seed, epoch=epoch, global_batch=10, world_size=1, rank=0,
                                                 accum=1)).micro_batches[0].tolist()
     assert first(0, 0) == first(0, 0)
     assert first(0, 0) != first(0, 1)

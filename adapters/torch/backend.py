@@ -92,6 +92,30 @@ class TorchBackend:
     def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         self.unwrap(model).load_state_dict(dict(state))
 
+    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """Optimizer state as ``<parameter name>/<state key>`` → tensor (collective on sharded backends)."""
+        names = {id(p): n for n, p in self.unwrap(model).named_parameters()}
+        out = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in optimizer.state.get(param, {}).items():
+                    out[f"{names[id(param)]}/{key}"] = torch.as_tensor(value).detach().cpu()
+        return out
+
+    def load_full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Mapping[str, torch.Tensor]) -> None:
+        params = dict(self.unwrap(model).named_parameters())
+        for key, value in state.items():
+            name, _, slot = key.rpartition("/")
+            if name not in params:
+                from polytrain.checkpoint import CheckpointError
+
+                raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
+            param = params[name]
+            # Adam's `step` stays a CPU scalar tensor, as torch keeps it; moments follow the parameter.
+            tensor = value.clone() if value.ndim == 0 else value.to(param.device, param.dtype)
+            optimizer.state[param][slot] = tensor
+
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         if not dist.is_initialized():

@@ -90,4 +90,20 @@ class TorchFramework:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.backend.full_state(self.model).items()}
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
-        self.backend.load_full_state(self.model, {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
+        self.backend.load_full_state(self.model, _tensors(state))
+
+    def export_optimizer_state(self) -> dict[str, np.ndarray]:
+        return {k: v.numpy().copy() for k, v in self.backend.full_optimizer_state(self.model, self.optimizer).items()}
+
+    def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:
+        self.backend.load_full_optimizer_state(self.model, self.optimizer, _tensors(state))
+
+    def rng_state(self) -> list[int]:
+        return torch.get_rng_state().tolist()
+
+    def set_rng_state(self, state: list[int]) -> None:
+        torch.set_rng_state(torch.tensor(state, dtype=torch.uint8))
+
+
+def _tensors(state: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
