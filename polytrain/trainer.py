@@ -12,6 +12,7 @@ the same as one process taking the whole global batch.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,10 @@ from polytrain.metrics import MetricsLog, Progress
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
 from polytrain.world import World, detect_world
+
+
+# Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
+RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
 
 
 @dataclass
@@ -74,7 +79,7 @@ class Trainer:
                 f"{len(data.x_val)} validation samples")
             self.global_batch = global_batch_size(spec.data, world.size, spec.loop.grad_accum_steps)
             self.per_epoch = steps_per_epoch(len(data.x_train), self.global_batch)
-            start = self._restore() if self.resume else Position()
+            start = self._restore() if self._resume_target() else Position()
             result = self._loop(data, start)
             self._save_model(result)
             return result
@@ -183,9 +188,18 @@ class Trainer:
                                     manifest, keep_last=self.spec.checkpoint.keep_last)
         self.log.write("checkpoint", step=pos.step, path=str(path))
 
+    def _resume_target(self) -> str | None:
+        """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
+        if self.resume:
+            return self.resume
+        restarts = max(int(os.environ.get(var, "0") or 0) for var in RESTART_COUNT_VARIABLES)
+        checkpointing = self.spec.checkpoint.every_n_steps or self.spec.checkpoint.every_n_epochs
+        return "auto" if restarts > 0 and checkpointing else None
+
     def _restore(self) -> Position:
         """Load the checkpoint named by --resume into the model and optimizer; return where to go on."""
-        found = ckpt.resolve(self.resume, self.spec.checkpoint_dir) if self.world.rank == 0 else None
+        target = self._resume_target()
+        found = ckpt.resolve(target, self.spec.checkpoint_dir) if self.world.rank == 0 else None
         path = self.backend.broadcast_object(str(found) if found else None)
         if path is None:
             self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")

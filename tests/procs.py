@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -39,23 +40,46 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _kill_tagged(token: str) -> None:
+    """SIGKILL every process whose environment carries ``token`` (workers in sessions of their own too)."""
+    needle = f"POLYTRAIN_TEST_TOKEN={token}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
 def run(cmd: list[str], *, timeout: float = 240, env: dict[str, str] | None = None,
         cwd: Path | str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout kill the whole group and fail the test."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env if env is not None else loopback_env(), cwd=cwd or REPO,
-                            start_new_session=True)
+    """Run ``cmd`` in its own session; on timeout kill it and everything it started, and fail the test.
+
+    Every process started gets a unique ``POLYTRAIN_TEST_TOKEN`` in its environment, so even workers a
+    launcher put in sessions of their own are found and killed when the command ends.
+    """
+    token = uuid.uuid4().hex
+    env = dict(env if env is not None else loopback_env(), POLYTRAIN_TEST_TOKEN=token)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=cwd or REPO, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)  # let a launcher stop its workers first
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # nothing of this group may outlive the test
         except ProcessLookupError:
             pass
+        _kill_tagged(token)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -1,0 +1,54 @@
+"""The switches the Dockerfiles hand to scripts/setup.sh exist on the other side.
+
+The images install nothing themselves: every ``POLYTRAIN_*``/``HOROVOD_*`` variable
+they set must be read by setup.sh or build_horovod.sh, and every extra they ask
+for must be in setup.cfg. Otherwise a rename on one side would leave an image that
+silently installs something else (verify_image.py would then fail the build, but
+only on a machine with Docker; this fails here).
+"""
+
+from __future__ import annotations
+
+import configparser
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILES = {name: REPO / "docker" / f"Dockerfile.{name}" for name in ("cpu", "cuda")}
+SCRIPTS = [REPO / "scripts" / "setup.sh", REPO / "scripts" / "build_horovod.sh"]
+# Read by the tools setup.sh runs (pip, Horovod's and DeepSpeed's builds), not by the scripts.
+THIRD_PARTY = {"HOROVOD_CUDA_HOME", "HOROVOD_NCCL_LINK", "HOROVOD_BUILD_CUDA_CC_LIST"}
+
+
+def switches(dockerfile: Path) -> set[str]:
+    """Variables a Dockerfile sets in ENV or inline before scripts/setup.sh."""
+    text = re.sub(r"^ARG .*$", "", dockerfile.read_text(), flags=re.M)  # build args are not switches
+    names = set(re.findall(r"\b((?:POLYTRAIN|HOROVOD)_[A-Z_]+)=", text))
+    return names - THIRD_PARTY
+
+
+def read_by_scripts(name: str) -> bool:
+    pattern = re.compile(rf"\$\{{?{name}\b")
+    return any(pattern.search(path.read_text()) for path in SCRIPTS)
+
+
+@pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
+def test_every_switch_is_read_by_the_setup_scripts(flavour: str) -> None:
+    found = switches(DOCKERFILES[flavour])
+    assert {"POLYTRAIN_VENV", "POLYTRAIN_EXTRAS", "POLYTRAIN_HOROVOD"} <= found
+    unread = sorted(name for name in found if not read_by_scripts(name))
+    assert unread == [], f"Dockerfile.{flavour} sets switches that scripts/setup.sh and build_horovod.sh ignore"
+
+
+@pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
+def test_every_extra_the_image_asks_for_is_in_setup_cfg(flavour: str) -> None:
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    known = set(config["options.extras_require"])
+    asked = re.search(r"^ARG POLYTRAIN_EXTRAS=(\S+)$", DOCKERFILES[flavour].read_text(), flags=re.M)
+    assert asked is not None
+    extras = set(asked.group(1).split(","))
+    assert {"torch", "mpi", "deepspeed"} <= extras
+    assert sorted(extras - known) == [], f"Dockerfile.{flavour} asks for extras setup.cfg does not define"
