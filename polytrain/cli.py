@@ -43,6 +43,24 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from polytrain import checkpoint_tools as tools
+
+    if args.action == "inspect":
+        print(tools.describe_json(Path(args.path)) if args.json else tools.inspect(Path(args.path)))
+    elif args.action == "convert":
+        suffix = {"safetensors": ".safetensors", "torch": ".pt", "keras": ".weights.h5"}.get(args.to, "")
+        out = Path(args.output) if args.output else Path(f"model{suffix}")
+        print(f"wrote {tools.convert(Path(args.path), args.to, out)}")
+    else:
+        spec = Path(args.spec) if args.spec else None
+        out = tools.import_weights(Path(args.path), spec, args.set or [], Path(args.output), args.trust_checkpoint)
+        print(f"wrote {out} (resume from it with: polytrain train SPEC --resume {out})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="polytrain", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -66,6 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
         add_launch_arguments(launch)
     launch.set_defaults(func=_cmd_launch)
 
+    checkpoint = sub.add_parser("checkpoint", help="inspect, convert or import checkpoints")
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    inspect_p = actions.add_parser("inspect", help="what a checkpoint or model directory holds")
+    inspect_p.add_argument("path")
+    inspect_p.add_argument("--json", action="store_true")
+    convert_p = actions.add_parser("convert", help="plain single-file model weights")
+    convert_p.add_argument("path")
+    convert_p.add_argument("--to", required=True, choices=("safetensors", "torch", "keras"))
+    convert_p.add_argument("-o", "--output", help="output file (default: model.<ext> here)")
+    import_p = actions.add_parser("import", help="a DeepSpeed ZeRO checkpoint dir or a torch state_dict file")
+    import_p.add_argument("path")
+    import_p.add_argument("--spec", help="the spec the weights belong to (default: built-in defaults)")
+    import_p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    import_p.add_argument("-o", "--output", required=True, help="checkpoint root to write step-00000000 into")
+    import_p.add_argument("--trust-checkpoint", action="store_true",
+                          help="allow unpickling (only for files from a trusted source)")
+    checkpoint.set_defaults(func=_cmd_checkpoint)
+
     info = sub.add_parser("info", help="versions, launchers and which backends are usable here")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
@@ -83,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"polytrain: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`
+        return 0
     except KeyboardInterrupt:
         print("polytrain: interrupted", file=sys.stderr)
         return 130
