@@ -61,6 +61,15 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from polytrain.plot import plot
+
+    print(f"wrote {plot([Path(p) for p in args.runs], Path(args.output))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="polytrain", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
@@ -101,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     import_p.add_argument("--trust-checkpoint", action="store_true",
                           help="allow unpickling (only for files from a trusted source)")
     checkpoint.set_defaults(func=_cmd_checkpoint)
+
+    plot = sub.add_parser("plot", help="loss, validation accuracy and throughput of one or more runs")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output directories of runs")
+    plot.add_argument("-o", "--output", default="polytrain-runs.png", help="image file (default: %(default)s)")
+    plot.set_defaults(func=_cmd_plot)
 
     info = sub.add_parser("info", help="versions, launchers and which backends are usable here")
     info.add_argument("--json", action="store_true", help="machine-readable output")

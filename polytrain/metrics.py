@@ -2,31 +2,73 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
+# The same tags for every framework and backend, so runs overlay in one TensorBoard.
+SCALAR_TAGS = {
+    "step": {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
+             "loss_scale": "train/loss_scale", "skipped_steps": "train/skipped_steps"},
+    "epoch": {"train_loss": "epoch/train_loss", "val_loss": "val/loss", "val_accuracy": "val/accuracy"},
+}
+CSV_COLUMNS = ("event", "time", "step", "epoch", "loss", "lr", "samples_per_s", "train_loss", "val_loss",
+               "val_accuracy")
+
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` (rank 0 only; others get a no-op)."""
+    """Rank 0's record of a run: ``metrics.jsonl``, ``metrics.csv`` and TensorBoard events in ``tb/``.
 
-    def __init__(self, path: Path | None) -> None:
+    Other ranks get a log whose ``path`` is None: every call is a no-op. TensorBoard events are
+    written with tensorboardX (a maintained writer) when it is installed.
+    """
+
+    def __init__(self, path: Path | None, tensorboard: bool = True) -> None:
         self.path = path
         self._file: TextIO | None = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a", buffering=1)
+        self._csv: Any = None
+        self._tb: Any = None
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)
+        csv_path = path.with_suffix(".csv")
+        new_csv = not csv_path.exists()
+        self._csv_file = csv_path.open("a", newline="", buffering=1)
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        if new_csv:
+            self._csv.writeheader()
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                return
+            self._tb = SummaryWriter(logdir=str(path.parent / "tb"), flush_secs=10)
 
     def write(self, event: str, **fields: Any) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+        if self._file is None:
+            return
+        record = {"event": event, "time": round(time.time(), 3), **fields}
+        self._file.write(json.dumps(record) + "\n")
+        if event in SCALAR_TAGS:
+            self._csv.writerow(record)
+            if self._tb is not None:
+                for key, tag in SCALAR_TAGS[event].items():
+                    value = fields.get(key)
+                    if isinstance(value, (int, float)) and value is not None:
+                        self._tb.add_scalar(tag, value, global_step=int(fields.get("step", 0)))
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+            self._csv_file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
 
 class Progress:
