@@ -1,0 +1,164 @@
+"""``DistributedOptimizer`` for Keras 3: any Keras optimizer, gradients averaged across processes.
+
+A plain subclass of ``keras.optimizers.Optimizer`` that holds the user's optimizer (the
+pattern of Keras's own ``LossScaleOptimizer``) — no class synthesis. Keras 3 funnels every
+update through ``apply(grads, trainable_variables)``: ``model.fit``'s compiled train step calls
+``apply_gradients`` → ``apply``, and so do custom loops. ``apply`` reduces the gradients with
+`GradientReducer` and hands them to the wrapped optimizer, whose variables, learning rate and
+iteration count are the ones the outside world sees (callbacks, checkpoints).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from polytrain.horovod.common import Average, Sum
+from polytrain.horovod.tensorflow._backend import impl
+from polytrain.horovod.tensorflow.collectives import HorovodArgumentError
+from polytrain.horovod.tensorflow.compression import Compression
+from polytrain.horovod.tensorflow.gradient_tape import GradientReducer, resolve_groups
+
+
+@keras.saving.register_keras_serializable(package="polytrain.horovod")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Wrap ``optimizer`` so each update uses gradients reduced (by default averaged) over all ranks.
+
+    ``backward_passes_per_step=N`` accumulates N local gradients and reduces once, applying an
+    update every N-th call (the iteration count still advances every call, as in Horovod);
+    ``average_aggregated_gradients`` divides the sum by N.
+    """
+
+    def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                 sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                 average_aggregated_gradients=False, num_groups=0, groups=None,
+                 process_set=impl.global_process_set, scale_local_gradients=True, **kwargs):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise HorovodArgumentError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
+                                       f"{type(optimizer).__name__}")
+        if op not in (Average, Sum):
+            raise HorovodArgumentError("op currently only supports Average and Sum")
+        if int(backward_passes_per_step) < 1:
+            raise HorovodArgumentError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        super().__init__(learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}", **kwargs)
+        self.inner_optimizer = optimizer
+        self.compression = compression
+        self.op = op
+        self.sparse_as_dense = sparse_as_dense
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self._reducer = GradientReducer(
+            device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+            sparse_as_dense=sparse_as_dense, op=op, gradient_predivide_factor=gradient_predivide_factor,
+            groups=resolve_groups(num_groups, groups), process_set=process_set,
+            scale_local_gradients=scale_local_gradients)
+        self._accumulators: list = []
+
+    # ------------------------------------------------------------------ what the outside world sees
+    @property
+    def variables(self):
+        return self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def __getattr__(self, name: str):
+        # momentum, beta_1, epsilon, ... of the wrapped optimizer (only reached for unknown names)
+        if name.startswith("_") or name == "inner_optimizer":
+            raise AttributeError(name)
+        return getattr(self.inner_optimizer, name)
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient local (divided by the size if ``scale_local_gradients``)."""
+        self._reducer.register_local(var)
+
+    # ------------------------------------------------------------------ building and applying
+    def build(self, var_list):
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        super().build(var_list)
+        if self.backward_passes_per_step > 1:
+            self._pass_count = self.add_variable((), initializer="zeros", dtype="int32", name="backward_passes")
+            self._accumulators = [self.add_variable_from_reference(v, name="horovod_accumulator")
+                                  for v in var_list]
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is None:
+            trainable_variables = self.inner_optimizer._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            self.build(trainable_variables)
+        if self.backward_passes_per_step > 1:
+            return self._accumulate_and_apply(grads, trainable_variables)
+        return self.inner_optimizer.apply(self._reducer(grads, trainable_variables), trainable_variables)
+
+    def apply_gradients(self, grads_and_vars):
+        grads, variables = zip(*grads_and_vars)
+        self.apply(grads, variables)
+        return self.iterations
+
+    def _accumulate_and_apply(self, grads, variables):
+        index = {id(v): i for i, v in enumerate(self._trainable_variables)}
+        slots = [self._accumulators[index[id(v)]] for v in variables]
+        for acc, g in zip(slots, grads):
+            if g is not None:
+                acc.assign_add(tf.convert_to_tensor(g))
+        self._pass_count.assign_add(1)
+        n = self.backward_passes_per_step
+
+        def reduce_and_apply():
+            summed = [None if g is None else tf.convert_to_tensor(acc) for acc, g in zip(slots, grads)]
+            reduced = self._reducer(summed, variables)
+            if self.average_aggregated_gradients:
+                reduced = [None if g is None else g / tf.cast(n, g.dtype) for g in reduced]
+            self.inner_optimizer.apply(reduced, variables)
+            for acc in slots:
+                acc.assign(tf.zeros_like(acc))
+            self._pass_count.assign(0)
+            return tf.constant(True)
+
+        def count_only():
+            self.inner_optimizer.iterations.assign_add(1)
+            return tf.constant(False)
+
+        return tf.cond(tf.equal(tf.convert_to_tensor(self._pass_count), n), reduce_and_apply, count_only)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError("DistributedOptimizer runs on the TensorFlow backend, which has no stateless_apply")
+
+    # ------------------------------------------------------------------ serialization
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "op": self.op,
+            "sparse_as_dense": self.sparse_as_dense,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
+            "compression": "fp16" if self.compression is Compression.fp16 else "none",
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
+        config["compression"] = getattr(Compression, config.get("compression", "none"))
+        return cls(inner, **config)

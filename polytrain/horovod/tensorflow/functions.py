@@ -1,0 +1,63 @@
+"""Broadcasting variables and Python objects, gathering objects (Horovod's ``functions.py``).
+
+Works with ``tf.Variable`` and Keras 3 variables alike: values are read as tensors and
+written back with ``assign``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import numpy as np
+import tensorflow as tf
+
+from polytrain.horovod.tensorflow._backend import impl
+
+try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - depends on the environment
+    _pickler = pickle
+
+global_process_set = impl.global_process_set
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Assign ``root_rank``'s values to ``variables`` on every process.
+
+    Eagerly this returns None; inside ``tf.function`` it returns the grouped assign op.
+    """
+    variables = list(variables)
+    values = impl.grouped_broadcast([tf.convert_to_tensor(v) for v in variables], root_rank,
+                                    process_set=process_set)
+    assigns = [var.assign(value) for var, value in zip(variables, values)]
+    return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def _dumps(obj) -> np.ndarray:
+    buf = io.BytesIO()
+    _pickler.dump(obj, buf)
+    return np.frombuffer(buf.getvalue(), dtype=np.uint8)
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
+    """``root_rank``'s ``obj`` (any picklable object) on every process; run eagerly."""
+    if impl.rank() == root_rank:
+        data = _dumps(obj)
+        impl.broadcast(tf.constant([data.size], tf.int32), root_rank, process_set=process_set)
+    else:
+        length = int(impl.broadcast(tf.constant([0], tf.int32), root_rank, process_set=process_set).numpy()[0])
+        data = np.zeros(length, dtype=np.uint8)
+    data = impl.broadcast(tf.constant(data), root_rank, process_set=process_set).numpy()
+    if impl.rank() == root_rank:
+        return obj
+    return _pickler.loads(data.tobytes())
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """Every process's ``obj``, as a list in rank order; run eagerly."""
+    data = _dumps(obj)
+    sizes = impl.allgather(tf.constant([data.size], tf.int32), process_set=process_set).numpy()
+    gathered = impl.allgather(tf.constant(data), process_set=process_set).numpy()
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    return [_pickler.loads(gathered[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(sizes))]

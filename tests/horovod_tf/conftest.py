@@ -1,0 +1,80 @@
+"""Launchers for the polytrain.horovod.tensorflow / .keras tests: real processes, timeouts, loopback."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from procs import BIN, check, loopback_env, run
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PYTHON = sys.executable
+
+
+def tf_env(impl: str, **extra: str) -> dict[str, str]:
+    """The environment of a TensorFlow rank: loopback, one thread, quiet logs, the chosen Horovod."""
+    return loopback_env(POLYTRAIN_HOROVOD_IMPL=impl, OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
+                        TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **extra)
+
+
+@functools.cache
+def horovod_tf_available() -> bool:
+    """Real Horovod with TensorFlow ops importable (probed in a subprocess: it loads TensorFlow)."""
+    if importlib.util.find_spec("horovod") is None:
+        return False
+    probe = run([PYTHON, "-c", "import horovod.tensorflow"], timeout=180, env=tf_env("horovod"))
+    return probe.returncode == 0
+
+
+class Launch:
+    """Start a script on N ranks and collect each rank's ``RESULT <json>`` line."""
+
+    here = HERE
+    python = PYTHON
+    env = staticmethod(tf_env)
+
+    @staticmethod
+    def mpirun(nproc: int, script: Path | str, *args: str, impl: str = "shim", timeout: float = 300,
+               **extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [str(BIN / "mpirun"), "-np", str(nproc), "--oversubscribe", "--bind-to", "none", PYTHON,
+               str(script), *args]
+        return check(run(cmd, timeout=timeout, env=tf_env(impl, **extra)))
+
+    @staticmethod
+    def horovodrun(nproc: int, script: Path | str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        cmd = [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo", PYTHON,
+               str(script), *args]
+        return check(run(cmd, timeout=timeout, env=tf_env("horovod")))
+
+    @staticmethod
+    def single(script: Path | str, *args: str, impl: str = "shim", timeout: float = 300,
+               **extra: str) -> subprocess.CompletedProcess[str]:
+        return run([PYTHON, str(script), *args], timeout=timeout, env=tf_env(impl, **extra))
+
+    @staticmethod
+    def results(proc: subprocess.CompletedProcess[str], size: int) -> list[dict]:
+        """Every rank's RESULT json, indexed by the rank it reports."""
+        found = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+        assert len(found) == size, f"expected {size} RESULT lines:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return sorted(found, key=lambda res: res["rank"])
+
+
+@pytest.fixture
+def launch() -> type[Launch]:
+    for module in ("tensorflow", "mpi4py"):  # found, not imported: TensorFlow stays out of pytest
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    return Launch
+
+
+@pytest.fixture
+def real_horovod() -> None:
+    """Skip unless real Horovod with its TensorFlow ops is installed."""
+    if not horovod_tf_available():
+        pytest.skip("real Horovod with TensorFlow is not installed (scripts/build_horovod.sh)")
