@@ -77,6 +77,7 @@ if [ -n "$ds_ops" ]; then
 fi
 
 if [ "$horovod" = 1 ]; then
+    "$py" -c "import setuptools, wheel" 2>/dev/null || pip_install setuptools wheel  # for pip wheel --no-build-isolation
     "$repo/scripts/build_horovod.sh" "$py"
 fi
 
