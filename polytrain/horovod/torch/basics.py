@@ -1,0 +1,316 @@
+"""``hvd.init()`` and the topology queries, on torch.distributed.
+
+`init` reads the World the launcher left (`polytrain.world.detect_world`), agrees on a
+rendezvous address where the launcher does not give one (horovodrun's gloo mode through
+its HTTP key-value server, MPI launchers through ``polytrain.world.ensure_master``),
+starts one torch.distributed process group (gloo for CPU tensors, plus NCCL for CUDA
+tensors when there is a GPU) and keeps its key-value store for stall reports and join.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polytrain.horovod.common import (
+    NOT_INITIALIZED,
+    HorovodSettings,
+    Topology,
+    topology_from_records,
+    topology_from_world,
+)
+from polytrain.world import World, detect_world, ensure_master, free_port
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's name, so ``except hvd.HorovodInternalError`` keeps working)."""
+
+
+def select_backend(cuda_available: bool, nccl_available: bool) -> str:
+    """The torch.distributed backend: gloo for CPU tensors, and NCCL for CUDA tensors when usable.
+
+    A composite backend keeps CPU collectives (metrics, objects, metadata) working in GPU jobs.
+    """
+    if cuda_available and nccl_available:
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+@dataclass
+class Runtime:
+    """Everything ``hvd.init()`` sets up; one per process."""
+
+    world: World
+    topology: Topology
+    settings: HorovodSettings
+    store: Any  # torch.distributed.Store
+    backend: str
+    owns_group: bool
+    handles: dict[int, Any] = field(default_factory=dict)
+    next_handle: int = 0
+    #: collectives submitted per process-set id (the stall report compares these across ranks)
+    submitted: dict[int, int] = field(default_factory=dict)
+    process_sets: dict[int, Any] = field(default_factory=dict)
+    next_process_set_id: int = 1
+    #: a collective was abandoned (stall shutdown, mismatch): exit without joining gloo's threads
+    broken: bool = False
+
+
+_runtime: Runtime | None = None
+_init_count = 0
+
+
+def runtime() -> Runtime:
+    """The live Runtime; Horovod's ValueError when ``hvd.init()`` has not run."""
+    if _runtime is None:
+        raise ValueError(NOT_INITIALIZED)
+    return _runtime
+
+
+# ----------------------------------------------------------------------------- rendezvous
+
+def _host_address(peer: str) -> str:
+    """This host's address on the route towards ``peer`` (a UDP connect sends nothing)."""
+    if peer in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(peer), 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _horovodrun_master(world: World, env: dict[str, str]) -> World:
+    """Under ``horovodrun --gloo``: rank 0 publishes a torch master in horovodrun's HTTP KV store."""
+    server = f"http://{env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{env['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
+    url = f"{server}/polytrain/torch-master-{_init_count}"
+    if world.rank == 0:
+        addr = _host_address(env["HOROVOD_GLOO_RENDEZVOUS_ADDR"])
+        value = f"{addr}:{free_port(addr)}".encode()
+        request = urllib.request.Request(url, data=value, method="PUT")
+        urllib.request.urlopen(request, timeout=30).close()
+    else:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    value = response.read()
+                break
+            except urllib.error.HTTPError as exc:
+                if exc.code != 404 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    addr, port = value.decode().rsplit(":", 1)
+    return World(**{**world.__dict__, "master_addr": addr, "master_port": int(port)})
+
+
+def agree_master(world: World, env: dict[str, str]) -> World:
+    """``world`` with a master address and port every rank agrees on.
+
+    horovodrun's gloo mode names only its own HTTP server: rank 0 publishes a master
+    there. MPI launchers agree over MPI (``polytrain.world.ensure_master``).
+    """
+    if world.size == 1 or world.master_known:
+        return world
+    if "HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
+        return _horovodrun_master(world, env)
+    return ensure_master(world)
+
+
+def rendezvous_url(world: World, env: dict[str, str]) -> str:
+    """``env://`` under torchrun (its agent hosts the store), else ``tcp://`` to rank 0."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in env:
+        return "env://"
+    return f"tcp://{world.master_addr}:{world.master_port}"
+
+
+# ----------------------------------------------------------------------------- init / shutdown
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Start the shim (Horovod's ``hvd.init``); a second call does nothing.
+
+    ``comm`` may be a list of global ranks (only the full list is supported: every process
+    of the launch takes part) or an mpi4py communicator spanning the launch.
+    ``process_sets`` is a list of `ProcessSet` objects to register now, or ``"dynamic"``.
+    """
+    global _runtime, _init_count
+    if _runtime is not None:
+        return
+    env = dict(os.environ)
+    settings = HorovodSettings.from_env(env)
+    _init_count += 1
+    world = agree_master(detect_world(env), env)
+    _check_comm(comm, world)
+    backend = select_backend(torch.cuda.is_available(), dist.is_nccl_available())
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if world.size == 1:
+            store = dist.HashStore()
+        else:
+            url = rendezvous_url(world, env)
+            store, _, _ = next(dist.rendezvous(url, rank=world.rank, world_size=world.size))
+        # Keys of one start never meet those of an earlier one: torchrun keeps its store across
+        # restarts, and elastic.run re-initialises in the same process.
+        store = dist.PrefixStore(f"polytrain-hvd/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_init_count}", store)
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=world.rank,
+                                world_size=world.size)
+    else:  # the script started torch.distributed itself: reuse it
+        store = dist.distributed_c10d._get_default_store()
+        backend = str(dist.get_backend())
+    records = torch.tensor([world.node_rank, world.local_rank, world.local_size], dtype=torch.int64)
+    gathered = torch.empty(world.size * 3, dtype=torch.int64)
+    if world.size > 1:
+        dist.all_gather_single(gathered, records)
+    else:
+        gathered = records
+    topology = topology_from_records(gathered.view(-1, 3).tolist(), world.rank)
+    _runtime = Runtime(world=world, topology=topology, settings=settings, store=dist.PrefixStore("hvd", store),
+                       backend=backend, owns_group=owns_group)
+    from polytrain.horovod.torch import process_sets as ps_module
+
+    ps_module.setup_global(_runtime)
+    if process_sets is not None and not isinstance(process_sets, str):
+        for process_set in process_sets:
+            ps_module.add_process_set(process_set)
+
+
+def _check_comm(comm: Any, world: World) -> None:
+    if comm is None:
+        return
+    if isinstance(comm, (list, tuple)):
+        if comm and sorted(comm) != list(range(world.size)):
+            raise ValueError(f"hvd.init(comm={list(comm)}) must list every rank 0..{world.size - 1}: "
+                             "polytrain's shim runs on all processes of the launch (use process sets)")
+        return
+    size = getattr(comm, "Get_size", None)
+    if size is None or size() != world.size:
+        raise ValueError("hvd.init(comm=...) must be a list of ranks or an mpi4py communicator "
+                         "spanning every process of the launch")
+
+
+def shutdown() -> None:
+    """Stop the shim and its process group (Horovod's ``hvd.shutdown``)."""
+    global _runtime
+    state, _runtime = _runtime, None
+    if state is None:
+        return
+    state.handles.clear()
+    from polytrain.horovod.torch import process_sets as ps_module
+
+    ps_module.reset(state)
+    if state.owns_group and dist.is_initialized() and not state.broken:
+        dist.destroy_process_group()
+
+
+@atexit.register
+def _exit_cleanly() -> None:
+    """Skip the process group's destructor when a collective was abandoned: it would wait forever."""
+    if _runtime is not None and _runtime.broken:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    shutdown()
+
+
+def mark_broken() -> None:
+    if _runtime is not None:
+        _runtime.broken = True
+
+
+# ----------------------------------------------------------------------------- queries
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def size() -> int:
+    return runtime().topology.size
+
+
+def rank() -> int:
+    return runtime().topology.rank
+
+
+def local_size() -> int:
+    return runtime().topology.local_size
+
+
+def local_rank() -> int:
+    return runtime().topology.local_rank
+
+
+def cross_size() -> int:
+    return runtime().topology.cross_size
+
+
+def cross_rank() -> int:
+    return runtime().topology.cross_rank
+
+
+def is_homogeneous() -> bool:
+    return runtime().topology.is_homogeneous
+
+
+def topology_estimate(world: World | None = None) -> Topology:
+    """The topology the launcher describes, before any process exchange (for tools and tests)."""
+    return topology_from_world(world or detect_world())
+
+
+def mpi_threads_supported() -> bool:
+    raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and enabled.")
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return is_initialized() and "gloo" in runtime().backend
+
+
+def gloo_built() -> bool:
+    return dist.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    return dist.is_nccl_available() and torch.cuda.is_available()
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    runtime()
+    raise ValueError("timelines are not recorded by polytrain's Horovod shim; use torch.profiler")
+
+
+def stop_timeline() -> None:
+    runtime()

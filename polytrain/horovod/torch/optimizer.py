@@ -1,0 +1,353 @@
+"""Horovod's DistributedOptimizer, built by composition (no class synthesised at run time).
+
+The wrapper *is* a ``torch.optim.Optimizer`` (isinstance holds, LR schedulers work) whose
+``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own objects.
+During ``backward()`` a post-accumulate-grad hook marks each gradient ready; once every
+gradient of a bucket (see `buckets`) is ready the bucket is copied into one flat buffer
+and its allreduce starts asynchronously, overlapping with the rest of backward.
+``step()`` (or ``synchronize()``) waits, scales and copies the results back into ``.grad``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polytrain.horovod.common import Adasum, Average
+from polytrain.horovod.torch import basics, stall
+from polytrain.horovod.torch.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    layout_id,
+    plan_buckets,
+    split_groups,
+)
+from polytrain.horovod.torch.collectives import TORCH_OPS, scale_
+from polytrain.horovod.torch.compression import Compression, Compressor
+from polytrain.horovod.torch.join import OPTIMIZER_LAYOUTS
+from polytrain.horovod.torch.ops import allgather
+from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
+
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally.")
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all processes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                 compression: type[Compressor] = Compression.none, backward_passes_per_step: int = 1,
+                 op: int = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set):
+        # torch.optim.Optimizer.__init__ is not called on purpose: param groups and state stay the
+        # wrapped optimizer's (see the properties below).
+        self.optimizer = optimizer
+        if op == Adasum:
+            raise ValueError("op=hvd.Adasum is not supported by polytrain's Horovod shim; use hvd.Average or "
+                             "hvd.Sum, or run real Horovod (POLYTRAIN_HOROVOD_IMPL=horovod)")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if backward_passes_per_step <= 0:
+            raise ValueError("backward_passes_per_step must be > 0")
+        if num_groups:
+            warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                          DeprecationWarning, stacklevel=2)
+            groups = groups if groups is not None else num_groups
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._groups = groups
+        self._parameter_names = self._name_parameters(named_parameters)
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks: list[Any] = []
+        self._buckets: list[Bucket] = []
+        self._passes: dict[int, int] = {}
+        self._pending = False
+        self._seq = 0
+        self._next_launch = 0
+        self._sparse: list[torch.Tensor] = []
+        self._layout = 0
+        self._build()
+
+    # --------------------------------------------------------------- the wrapped optimizer's data
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else torch.optim.Optimizer keeps (hook tables ...) is the wrapped optimizer's."""
+        inner = self.__dict__.get("optimizer")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._reset_step()
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add parameters on every rank alike; the gradient buckets are rebuilt."""
+        self.optimizer.add_param_group(param_group)
+        self._parameter_names.update({p: f"allreduce.noname.{len(self.param_groups) - 1}.{j}"
+                                      for j, p in enumerate(self.param_groups[-1]["params"])
+                                      if p not in self._parameter_names})
+        self._build()
+
+    # --------------------------------------------------------------- setup
+    def _name_parameters(self, named_parameters: Any) -> dict[torch.Tensor, str]:
+        if named_parameters is None:
+            named = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(self.param_groups)
+                     for j, p in enumerate(group["params"])]
+        else:
+            named = list(named_parameters)
+        if any(not isinstance(item, tuple) for item in named):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                             "by model.named_parameters().")
+        names = [n for n, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                             + ", ".join(dups))
+        named_ids = {id(p) for _, p in named}
+        unnamed = [id(p) for g in self.param_groups for p in g["params"] if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                             "Python object ids: " + ", ".join(map(str, unnamed)))
+        return {p: n for n, p in named}
+
+    def _build(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        OPTIMIZER_LAYOUTS.pop(self._layout, None)
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        names = [self._parameter_names[p] for p in params]
+        state = basics.runtime()
+        settings = state.settings
+        cap = min(settings.fusion_threshold, DEFAULT_BUCKET_BYTES) or 1
+        self._buckets = plan_buckets(params, names, cap, split_groups(params, self._groups))
+        self._layout = layout_id(self._buckets)
+        self._reset_step()
+        if not self.process_set.included() or self.process_set.size() == 1:
+            return
+        OPTIMIZER_LAYOUTS[self._layout] = [
+            (b.numel, self._compression.compress(torch.zeros(1, dtype=b.dtype))[0].dtype) for b in self._buckets]
+        if settings.metadata_check:
+            self._verify_layout(names, params)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(bucket)))
+
+    def _verify_layout(self, names: list[str], params: list[torch.Tensor]) -> None:
+        mine = torch.tensor([self._layout], dtype=torch.int64)
+        layouts = allgather(mine, name="DistributedOptimizer.layout", process_set=self.process_set)
+        if bool((layouts == mine).all()):
+            return
+        raise stall.CollectiveMismatchError(
+            f"DistributedOptimizer parameters differ across ranks (layout fingerprints {layouts.tolist()}); "
+            f"this rank has {len(params)} parameters, first {names[:3]}")
+
+    def _reset_step(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready = 0
+            bucket.launched = None
+        self._passes = {}
+        self._pending = False
+        self._next_launch = 0
+        self._record: tuple[Any, torch.Tensor] | None = None
+        self._verified = False
+        self._sparse = []
+        self._synchronized = False
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._passes = {}
+
+    # --------------------------------------------------------------- during backward
+    def _make_hook(self, bucket: Bucket) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            count = self._passes.get(id(p), 0)
+            if count >= self.backward_passes_per_step:
+                raise AssertionError(_TOO_MANY_PASSES)
+            self._passes[id(p)] = count + 1
+            self._pending = True
+            if count + 1 == self.backward_passes_per_step:
+                self._fill(bucket, p)
+                bucket.ready += 1
+                self._launch_ready()
+        return hook
+
+    def _fill(self, bucket: Bucket, p: torch.Tensor) -> None:
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        slot = bucket.slots[id(p)]
+        view = bucket.buffer[bucket.offsets[slot]:bucket.offsets[slot] + p.numel()]
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        elif grad.is_sparse:
+            if self.sparse_as_dense:
+                view.copy_(grad.to_dense().reshape(-1))
+            else:
+                view.zero_()
+                self._sparse.append(p)
+        else:
+            view.copy_(grad.reshape(-1))
+
+    def _launch_ready(self, block: bool = False) -> None:
+        """Launch complete buckets in index order, so every rank issues the same sequence.
+
+        The step's metadata record goes first; its exchange runs while backward goes on, and
+        no bucket leaves before it is verified (``block`` waits for it, at synchronize()).
+        """
+        if self._next_launch == len(self._buckets) or self._buckets[self._next_launch].ready < len(
+                self._buckets[self._next_launch].params):
+            return
+        if not self._verified:
+            if self._record is None:
+                self._start_record()
+            if not self._verified and not self._check_record(block):
+                return
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _start_record(self) -> None:
+        set_id = self.process_set.process_set_id
+        self._seq = stall.next_seq(set_id)
+        if not basics.runtime().settings.metadata_check:
+            self._verified = True
+            return
+        record = stall.make_record(stall.OPTIMIZER, None, [], extra=self._layout)
+        group, size, _ = resolve(self.process_set)
+        self._record = stall.start_exchange(record, group, size)
+
+    def _check_record(self, block: bool) -> bool:
+        work, records = self._record
+        if not block and work is not None and not work.is_completed():
+            return False
+        group = self.process_set.group
+        set_id = self.process_set.process_set_id
+        stall.wait(work, "DistributedOptimizer step", set_id, self._seq, group)
+        stall.verify(records, "DistributedOptimizer step", group, set_id, self._seq, joined_ok=set_id == 0)
+        self._verified = True
+        return True
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.op == Average and self.gradient_predivide_factor != 1.0:
+            scale_(bucket.buffer, 1.0 / self.gradient_predivide_factor)
+        sent, ctx = self._compression.compress(bucket.buffer)
+        group = self.process_set.group
+        work = dist.all_reduce(sent, op=TORCH_OPS[self.op], group=group, async_op=True)
+        bucket.launched = (work, sent, ctx)
+
+    # --------------------------------------------------------------- step
+    def synchronize(self) -> None:
+        """Finish every gradient allreduce now (e.g. before clipping); then use skip_synchronize()."""
+        if not self.process_set.included() or not self._hooks:
+            self._synchronized = True
+            return
+        for bucket in self._buckets:  # parameters that got no gradient this step contribute zeros
+            if bucket.ready < len(bucket.params):
+                for p in bucket.params:
+                    if self._passes.get(id(p), 0) < self.backward_passes_per_step:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        self._fill(bucket, p)
+                bucket.ready = len(bucket.params)
+        self._launch_ready(block=True)
+        group, size, _ = resolve(self.process_set)
+        post = self.gradient_predivide_factor if self.op == Average else 1.0
+        if self.op == Average:
+            post /= size
+        for bucket in self._buckets:
+            work, sent, ctx = bucket.launched
+            stall.wait(work, f"{bucket.label()} (gradient bucket {bucket.index})",
+                       self.process_set.process_set_id, self._seq, group)
+            reduced = scale_(self._compression.decompress(sent, ctx), post)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                piece = reduced[offset:offset + p.numel()].view(p.shape)
+                if not p.grad.is_sparse:
+                    p.grad.copy_(piece)
+                elif self.sparse_as_dense:
+                    p.grad = piece.to_sparse()
+                # other sparse gradients are allgathered below
+        for p in self._sparse:
+            self._reduce_sparse(p, size)
+        self._reset_step()
+        self._synchronized = True
+
+    def _reduce_sparse(self, p: torch.Tensor, size: int) -> None:
+        grad = p.grad.coalesce()
+        name = self._parameter_names[p]
+        indices = allgather(grad.indices().t().contiguous(), name=f"{name}.indices", process_set=self.process_set)
+        values = allgather(grad.values(), name=f"{name}.values", process_set=self.process_set)
+        if self.op == Average:
+            values = values / size
+        p.grad = torch.sparse_coo_tensor(indices.t(), values, grad.shape, check_invariants=False).coalesce()
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make ``step()`` skip synchronisation (after an explicit ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                              "your code.", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
+                                 "a race condition.")
+        self.optimizer.zero_grad(set_to_none=set_to_none)
