@@ -1,0 +1,105 @@
+"""What every TensorFlow backend shares: device choice, the default (single-process) hooks.
+
+A TensorFlow backend owns gradient averaging. The framework adapter sums each micro-step's
+gradients into accumulator variables; after the last micro-step it calls
+``average_gradients(accumulators)`` and the backend replaces them, in place, by their mean
+over all ranks. Then the adapter clips and applies the update itself. After building the
+model the adapter calls ``broadcast_variables`` so every rank starts from rank 0's weights.
+
+A backend subclasses `TFBackend` and overrides the hooks it owns and the Trainer's
+collectives (``all_reduce``, ``broadcast_object``, ``all_gather_object``, ``barrier``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from polytrain.spec import TrainSpec
+from polytrain.world import World
+
+
+def choose_device(num_gpus: int, local_rank: int) -> tuple[int | None, str]:
+    """(the GPU index this rank makes visible, the device to place the model on).
+
+    One GPU per process, picked by local rank (made visible as ``/GPU:0``); CPU without GPUs.
+    """
+    if num_gpus == 0:
+        return None, "/CPU:0"
+    return local_rank % num_gpus, "/GPU:0"
+
+
+class TFBackend:
+    name = "base"
+    #: Whether `average_in_graph` works inside a compiled step; the adapter then runs it as part of
+    #: the last micro-step (one call fewer per step) instead of calling `average_gradients`.
+    averages_in_graph = False
+
+    def __init__(self, spec: TrainSpec, world: World) -> None:
+        self.spec = spec
+        self.world = world
+        self.device = "/CPU:0"
+
+    # ---------------------------------------------------------------- lifecycle
+    def setup(self) -> None:
+        """Pin this rank's GPU (must run before TensorFlow creates its context)."""
+        gpus = tf.config.list_physical_devices("GPU")
+        index, self.device = choose_device(len(gpus), self.world.local_rank)
+        if index is not None:
+            tf.config.set_visible_devices(gpus[index], "GPU")
+            tf.config.experimental.set_memory_growth(gpus[index], True)
+
+    def teardown(self) -> None:
+        pass
+
+    # ---------------------------------------------------------------- training hooks
+    def broadcast_variables(self, variables: Sequence[Any]) -> None:
+        """Make every rank's ``variables`` equal to rank 0's."""
+
+    def average_gradients(self, grads: Sequence[tf.Variable]) -> None:
+        """Replace each accumulated gradient by its mean over ranks, in place."""
+
+    def average_in_graph(self, grads: Sequence[tf.Variable]) -> None:
+        """`average_gradients`, traced into the caller's ``tf.function``."""
+        raise NotImplementedError(f"backend {self.name!r} averages gradients outside the graph")
+
+    # ---------------------------------------------------------------- collectives for the Trainer
+    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        return np.asarray(values)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+class FlatGradients:
+    """Moves a list of variables to and from one flat float32 numpy buffer in two compiled calls.
+
+    Host-side collectives (MPI) then see one contiguous array per step instead of one
+    small array per variable.
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable]) -> None:
+        self.variables = list(variables)
+        self.sizes = [int(np.prod(v.shape)) for v in self.variables]
+        self._read = tf.function(lambda: tf.concat([tf.reshape(v, [-1]) for v in self.variables], axis=0))
+        self._write = tf.function(self._assign, input_signature=[tf.TensorSpec([sum(self.sizes)], tf.float32)])
+
+    def _assign(self, flat: tf.Tensor) -> None:
+        for var, part in zip(self.variables, tf.split(flat, self.sizes)):
+            var.assign(tf.reshape(part, var.shape))
+
+    def read(self) -> np.ndarray:
+        """A fresh, writeable copy of all variables, concatenated."""
+        return self._read().numpy()
+
+    def write(self, flat: np.ndarray) -> None:
+        self._write(flat)

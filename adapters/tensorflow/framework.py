@@ -1,0 +1,206 @@
+"""The TensorFlow framework adapter: a Keras 3 model trained by a compiled custom step (not ``model.fit``).
+
+Per micro-step a ``tf.function`` runs forward and backward of ``summed loss × loss_scale``
+and adds the gradients into accumulator variables; on the last micro-step the backend
+averages those across ranks. ``optimizer_step`` then clips by global norm (PyTorch's
+``clip_grad_norm_`` rule), applies PyTorch's update rule (see ``optimizers``) with the
+step's learning rate and zeroes the accumulators. ``bf16`` computes in bfloat16 with
+float32 variables (Keras' ``mixed_bfloat16`` policy); losses are always float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.random.seed_generator import global_seed_generator
+
+from polytrain.adapters.tensorflow.backend import TFBackend
+from polytrain.adapters.tensorflow.models import PortableVariable, build_model, from_portable, to_portable
+from polytrain.adapters.tensorflow.optimizers import make_optimizer
+from polytrain.errors import SpecError, UserError
+from polytrain.protocols import DatasetInfo
+from polytrain.spec import TrainSpec
+from polytrain.world import World
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coefficient = max_norm / (norm + 1e-6), at most 1
+
+
+class StateMismatchError(UserError):
+    """A state to load does not have this model's names or shapes."""
+
+
+class TensorFlowFramework:
+    def __init__(self, spec: TrainSpec, world: World, backend: TFBackend) -> None:
+        self.spec = spec
+        self.world = world
+        self.backend = backend
+
+    def build(self, info: DatasetInfo) -> None:
+        if info.task not in ("classification", "regression"):
+            raise SpecError(f"data.name: {self.spec.data.name!r} is a {info.task} task, which framework 'tensorflow' "
+                            "does not train yet (allowed: classification or regression data)")
+        self.info = info
+        self.regression = info.task == "regression"
+        keras.utils.set_random_seed(self.spec.seed)  # a user's factory draws alike on every rank
+        with tf.device(self.backend.device):
+            self.model, self.entries = build_model(self.spec.model.name, self.spec.model.params, info,
+                                                   seed=self.spec.seed, precision=self.spec.precision)
+            self.trainable = list(self.model.trainable_variables)
+            self.accumulators = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False, name=f"grad_{i}")
+                                 for i, v in enumerate(self.trainable)]
+            self.optimizer = make_optimizer(self.spec.optimizer, self.trainable)
+        self.backend.broadcast_variables([v for v in self.model.variables if v.dtype in ("float32", "float64")])
+        keras.utils.set_random_seed(self.spec.seed + self.world.rank)  # per-rank randomness from here on
+        x_spec = tf.TensorSpec((None, *info.input_shape), tf.float32)
+        y_spec = tf.TensorSpec((None,), tf.float32 if self.regression else tf.int64)
+        scalar = tf.TensorSpec((), tf.float32)
+        self._micro_fn = tf.function(functools.partial(self._micro, average=False),
+                                     input_signature=[x_spec, y_spec, scalar])
+        self._micro_avg_fn = tf.function(functools.partial(self._micro, average=True),
+                                         input_signature=[x_spec, y_spec, scalar])
+        self._eval_fn = tf.function(self._eval, input_signature=[x_spec, y_spec])
+        self._apply_fn = tf.function(self._apply)
+        self._finite_fn = tf.function(
+            lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in self.accumulators]))
+        self._zero_fn = tf.function(self._zero_accumulators)
+
+    # ---------------------------------------------------------------- compiled pieces
+    def _loss_sum(self, out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        out = tf.cast(out, tf.float32)
+        if self.regression:
+            return tf.reduce_sum(tf.square(tf.reshape(out, [-1]) - y))
+        return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out))
+
+    def _forward_backward(self, x: tf.Tensor, y: tf.Tensor, loss_scale: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = self._loss_sum(self.model(x, training=True), y)
+            scaled = loss * loss_scale
+        grads = tape.gradient(scaled, self.trainable)
+        for acc, grad in zip(self.accumulators, grads):
+            if grad is not None:
+                acc.assign_add(tf.cast(grad, tf.float32))
+        return loss
+
+    def _micro(self, x: tf.Tensor, y: tf.Tensor, loss_scale: tf.Tensor, average: bool) -> tf.Tensor:
+        """One micro-step; with ``average`` the backend's collective runs in the same graph, after it.
+
+        An empty micro-batch (ranks short of samples at the end of an epoch) adds nothing, but
+        still takes part in the collective; TF's convolution kernels reject empty batches.
+        """
+        loss = tf.cond(tf.shape(x)[0] > 0, lambda: self._forward_backward(x, y, loss_scale),
+                       lambda: tf.constant(0.0))
+        if average:
+            self.backend.average_in_graph(self.accumulators)
+        return loss
+
+    def _apply(self, scalars: tf.Tensor, clip_norm: tf.Tensor, clip: bool) -> tf.Tensor:
+        grads = [acc.read_value() for acc in self.accumulators]
+        norm = tf.constant(0.0)
+        if clip:
+            norm = tf.norm(tf.stack([tf.norm(g) for g in grads]))
+            coef = tf.minimum(clip_norm / (norm + CLIP_EPS), 1.0)
+            grads = [g * coef for g in grads]
+        self.optimizer.apply(self.trainable, grads, scalars)
+        self._zero_accumulators()
+        return norm
+
+    def _zero_accumulators(self) -> None:
+        for acc in self.accumulators:
+            acc.assign(tf.zeros_like(acc))
+
+    def _eval(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        out = self.model(x, training=False)
+        loss = self._loss_sum(out, y)
+        if self.regression:
+            return loss, tf.constant(0.0)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, axis=1), y), tf.float32))
+        return loss, correct
+
+    # ---------------------------------------------------------------- the Framework protocol
+    def _inputs(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(x, np.float32), np.asarray(y, np.float32 if self.regression else np.int64)
+
+    def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
+        fused = sync and self.backend.averages_in_graph
+        step = self._micro_avg_fn if fused else self._micro_fn
+        with tf.device(self.backend.device):
+            loss = float(step(*self._inputs(x, y), tf.constant(loss_scale, tf.float32)))
+        if sync and not fused:
+            self.backend.average_gradients(self.accumulators)
+        return loss
+
+    def optimizer_step(self, lr: float, clip_norm: float | None) -> float | None:
+        scalars = tf.constant(self.optimizer.scalars(lr), tf.float32)
+        with tf.device(self.backend.device):
+            norm = self._apply_fn(scalars, tf.constant(clip_norm or 0.0, tf.float32), clip_norm is not None)
+        return float(norm) if clip_norm is not None else None
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
+        if not len(x):
+            return 0.0, 0.0, 0
+        with tf.device(self.backend.device):
+            loss, correct = self._eval_fn(*self._inputs(x, y))
+        return float(loss), float(correct), len(y)
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        return {e.name: to_portable(np.asarray(e.variable.numpy()), e.layout) for e in self.entries}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        names = {e.name for e in self.entries}
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+        if missing or unexpected:
+            raise StateMismatchError(f"state: names do not match the model (missing: {', '.join(missing) or '-'}; "
+                                     f"unexpected: {', '.join(unexpected) or '-'})")
+        for e in self.entries:
+            value = from_portable(np.asarray(state[e.name]), e.layout)
+            if tuple(value.shape) != tuple(e.variable.shape):
+                raise StateMismatchError(f"state: {e.name} has shape {tuple(np.shape(state[e.name]))}, the model "
+                                         f"needs {to_portable(np.zeros(e.variable.shape), e.layout).shape}")
+            e.variable.assign(value.astype(e.variable.dtype))
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {e.name: to_portable(np.empty(e.variable.shape, np.uint8), e.layout).shape for e in self.entries}
+
+    def grads_finite(self) -> bool:
+        """Checked on the averaged gradients: a NaN/Inf on any rank reaches every rank, so all answer alike."""
+        return bool(self._finite_fn())
+
+    def discard_gradients(self) -> None:
+        self._zero_fn()
+
+    def _trainable_entries(self) -> list[PortableVariable]:
+        by_id = {id(e.variable): e for e in self.entries}
+        return [by_id[id(v)] for v in self.trainable]
+
+    def export_optimizer_state(self) -> dict[str, np.ndarray]:
+        """``<portable name>/<torch.optim state key>`` → array, moments in the portable layout."""
+        out = {}
+        for i, entry in enumerate(self._trainable_entries()):
+            for slot, value in self.optimizer.slots(i).items():
+                out[f"{entry.name}/{slot}"] = to_portable(value, entry.layout) if value.ndim else value
+        return out
+
+    def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:
+        entries = self._trainable_entries()
+        index = {e.name: i for i, e in enumerate(entries)}
+        grouped: dict[int, dict[str, np.ndarray]] = {}
+        for key, value in state.items():
+            name, _, slot = key.rpartition("/")
+            if name not in index:
+                raise StateMismatchError(f"state: optimizer state for unknown parameter {name!r}")
+            value = np.asarray(value)
+            layout = entries[index[name]].layout
+            grouped.setdefault(index[name], {})[slot] = from_portable(value, layout) if value.ndim else value
+        for i, slots in grouped.items():
+            self.optimizer.load_slots(i, slots)
+
+    def rng_state(self) -> list[int]:
+        """Keras' global seed generator (what layers without their own seed draw from)."""
+        return [int(v) for v in global_seed_generator().state.numpy()]
+
+    def set_rng_state(self, state: list[int]) -> None:
+        global_seed_generator().state.assign(np.asarray(state, dtype=np.int64))

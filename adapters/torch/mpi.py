@@ -1,0 +1,89 @@
+"""``mpi`` for PyTorch: ``.grad``s averaged with ``MPI_Allreduce`` through mpi4py, small tensors fused.
+
+No torch.distributed process group and no autograd hooks: after the backward pass of
+the last micro-step (the one not run under ``no_sync``) every parameter's gradient is
+averaged across ranks through ``polytrain.mpi_fusion``; ``wrap`` broadcasts rank 0's
+parameters and buffers so every rank starts alike. For jobs started by an MPI launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.mpi_fusion import MpiCollectives
+
+
+def _host_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A writeable numpy array of ``tensor``; the flag says whether it must be copied back."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.detach().numpy(), False
+    return tensor.detach().cpu().contiguous().numpy(), True
+
+
+class MpiBackend(TorchBackend):
+    name = "mpi"
+
+    def setup(self) -> None:
+        self.mpi = MpiCollectives(self.world.rank, self.world.size, self.world.launcher)
+        self._params: list[nn.Parameter] = []
+        self._skip_sync = False
+
+    def teardown(self) -> None:
+        pass
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                array, copy_back = _host_view(tensor)
+                self.mpi.broadcast_([array])
+                if copy_back:
+                    tensor.copy_(torch.from_numpy(array))
+        return model, optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        self._skip_sync, previous = True, self._skip_sync
+        try:
+            yield
+        finally:
+            self._skip_sync = previous
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._skip_sync:
+            self._average_grads()
+
+    def _average_grads(self) -> None:
+        if self.mpi.size == 1:
+            return
+        views = []
+        for p in self._params:
+            if p.grad is None:  # unused on this rank this step: still takes part, with zeros
+                p.grad = torch.zeros_like(p)
+            views.append((p.grad, *_host_view(p.grad)))
+        self.mpi.average_([array for _, array, _ in views])
+        with torch.no_grad():
+            for grad, array, copy_back in views:
+                if copy_back:
+                    grad.copy_(torch.from_numpy(array))
+
+    # ---------------------------------------------------------------- collectives for the Trainer
+    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        return self.mpi.all_reduce(values, op)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.mpi.broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.mpi.all_gather_object(obj)
+
+    def barrier(self) -> None:
+        self.mpi.barrier()

@@ -1,0 +1,88 @@
+"""Fusion buckets (pure) and fused averaging over real MPI processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from procs import BIN, check, loopback_env, run
+
+from polytrain.errors import EnvironmentDetectionError
+from polytrain.mpi_fusion import DEFAULT_FUSION_BYTES, fusion_threshold, plan_buckets
+
+
+def arrays(*specs: tuple[int, str]) -> list[np.ndarray]:
+    return [np.zeros(n, dtype=dtype) for n, dtype in specs]
+
+
+def test_threshold_from_environment() -> None:
+    assert fusion_threshold({}) == DEFAULT_FUSION_BYTES == 64 * 1024 * 1024
+    assert fusion_threshold({"POLYTRAIN_MPI_FUSION_BYTES": " 4096 "}) == 4096
+    assert fusion_threshold({"POLYTRAIN_MPI_FUSION_BYTES": "0"}) == 0
+    with pytest.raises(EnvironmentDetectionError, match="^POLYTRAIN_MPI_FUSION_BYTES='64MB' is not an integer"):
+        fusion_threshold({"POLYTRAIN_MPI_FUSION_BYTES": "64MB"})
+    with pytest.raises(EnvironmentDetectionError, match="^POLYTRAIN_MPI_FUSION_BYTES=-1 is negative"):
+        fusion_threshold({"POLYTRAIN_MPI_FUSION_BYTES": "-1"})
+
+
+def test_small_arrays_share_buckets_up_to_the_threshold() -> None:
+    # 40 B, 40 B, 40 B (float32 ×10) with a 100 B threshold: two fit, the third starts a new bucket
+    assert plan_buckets(arrays((10, "f4"), (10, "f4"), (10, "f4")), 100) == [[0, 1], [2]]
+    assert plan_buckets(arrays((10, "f4"), (10, "f4")), 80) == [[0, 1]]  # exactly full
+
+
+def test_large_arrays_go_alone_and_dtypes_never_mix() -> None:
+    plan = plan_buckets(arrays((5, "f4"), (100, "f4"), (5, "f4"), (5, "f8"), (5, "f8")), 100)
+    assert plan == [[0], [1], [2], [3, 4]]
+    assert plan_buckets(arrays((5, "f4"), (5, "f4")), 0) == [[0], [1]]  # 0 = no fusion
+
+
+WORKER = textwrap.dedent("""\
+    import json, sys
+    import numpy as np
+    from polytrain.mpi_fusion import MpiCollectives
+    from polytrain.world import detect_world
+    world = detect_world()
+    mpi = MpiCollectives(world.rank, world.size, world.launcher, fusion_bytes=int(sys.argv[2]))
+    r = world.rank
+    grads = [np.full(3, 1.0 + r, np.float32), np.full((2, 2), 10.0 * r, np.float32),
+             np.arange(40, dtype=np.float32) * (r + 1), np.full(2, r, np.float64)]
+    calls = mpi.average_(grads)
+    flat = np.concatenate([np.full(3, 1.0 + r), np.full(4, 10.0 * r), np.arange(40) * (r + 1)]).astype(np.float32)
+    flat_calls = mpi.average_flat_(flat, [3, 4, 40])
+    weights = [np.full(4, 7.0 + r, np.float32)]
+    mpi.broadcast_(weights)
+    out = {"calls": calls, "grads": [g.tolist() for g in grads], "weights": weights[0].tolist(),
+           "flat_calls": flat_calls, "flat": flat.tolist(),
+           "sum": mpi.all_reduce(np.array([r, 1.0])).tolist(), "max": mpi.all_reduce(np.array([r]), "max").tolist(),
+           "gathered": mpi.all_gather_object({"rank": r}), "bcast": mpi.broadcast_object("from %d" % r, src=1)}
+    open(sys.argv[1] + "/rank%d.json" % r, "w").write(json.dumps(out))
+    """)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("fusion", "calls", "flat_calls"), [(64, 3, 2), (0, 4, 3), (1 << 20, 2, 1)])
+def test_fused_average_over_two_mpi_ranks(tmp_path: Path, fusion: int, calls: int, flat_calls: int) -> None:
+    pytest.importorskip("mpi4py")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    check(run([str(BIN / "mpirun"), "--oversubscribe", "-np", "2", sys.executable, str(script), str(tmp_path),
+               str(fusion)], env=loopback_env(), timeout=100))
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1]  # every rank ends with the same numbers
+    out = results[0]
+    # 64 B: [12 B, 16 B] fused, the 160 B array alone, the float64 alone → 3; 0: one each; 1 MiB: by dtype → 2
+    assert out["calls"] == calls and out["flat_calls"] == flat_calls
+    assert out["flat"] == [1.5] * 3 + [5.0] * 4 + (np.arange(40) * 1.5).tolist()  # packed: reduced in place
+    assert out["grads"][0] == [1.5] * 3
+    assert out["grads"][1] == [[5.0, 5.0], [5.0, 5.0]]
+    assert out["grads"][2] == (np.arange(40) * 1.5).tolist()
+    assert out["grads"][3] == [0.5, 0.5]
+    assert out["weights"] == [7.0] * 4
+    assert out["sum"] == [1.0, 2.0] and out["max"] == [1.0]
+    assert out["gathered"] == [{"rank": 0}, {"rank": 1}] and out["bcast"] == "from 1"
