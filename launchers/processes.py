@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -102,6 +103,15 @@ def _forwarding(procs: list[subprocess.Popen], received: list[int]) -> Iterator[
             signal.signal(signum, handler)
 
 
+def _report_failure(codes: Sequence[int | None], total: int) -> None:
+    """One line naming the first failed worker (its rank is its index) and how it ended."""
+    rank, returncode = next((i, c) for i, c in enumerate(codes) if c)
+    how = (f"was killed by {signal.Signals(-returncode).name}" if returncode < 0
+           else f"exited with code {returncode}")
+    print(f"polytrain launch: rank {rank} {how}; stopping the other {total - 1} worker(s)",
+          file=sys.stderr, flush=True)
+
+
 def supervise(
     commands: Sequence[Sequence[str]],
     envs: Sequence[Mapping[str, str]],
@@ -126,6 +136,8 @@ def supervise(
             while True:
                 codes = [_reap_if_exited(proc) for proc in procs]
                 code = next((exit_code(c) for c in codes if c), 0)
+                if code and not received:
+                    _report_failure(codes, len(procs))
                 if code or all(c is not None for c in codes):
                     break
                 if received and signalled_at is None:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from polytrain.errors import UserError
+from polytrain.errors import TrainingFailure, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
+    except (UserError, TrainingFailure) as exc:
         if args.debug:
             raise
         print(f"polytrain: error: {exc}", file=sys.stderr)

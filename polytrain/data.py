@@ -14,7 +14,7 @@ import numpy as np
 
 from polytrain.errors import SpecError
 from polytrain.protocols import DatasetInfo
-from polytrain.spec import DataSpec
+from polytrain.spec import DataSpec, TokenSpec
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,46 @@ def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def token_corpus(spec: TokenSpec) -> np.ndarray:
+    """``samples`` sequences of ``seq_len + 1`` tokens from a seeded order-2 rule.
+
+    A random table gives each pair of tokens its successor; with probability ``noise`` a
+    token is drawn uniformly instead. Predicting the next token needs the two before it
+    (so the model must attend), and the best reachable next-token accuracy is about
+    ``1 - noise`` after the first two positions. Deterministic in ``seed``; no download.
+    """
+    rng = np.random.default_rng([spec.seed, spec.vocab, spec.seq_len])
+    rule = rng.integers(0, spec.vocab, size=(spec.vocab, spec.vocab))
+    seq = np.empty((spec.samples, spec.seq_len + 1), dtype=np.int64)
+    seq[:, :2] = rng.integers(0, spec.vocab, size=(spec.samples, 2))
+    for t in range(2, spec.seq_len + 1):
+        ruled = rule[seq[:, t - 2], seq[:, t - 1]]
+        random = rng.integers(0, spec.vocab, size=spec.samples)
+        seq[:, t] = np.where(rng.random(spec.samples) < spec.noise, random, ruled)
+    return seq
+
+
+def _split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = int(round(n * val_fraction))
+    if n_val == n:
+        raise SpecError(f"data.val_fraction: {val_fraction} leaves no training samples")
+    return order[n_val:], order[:n_val]
+
+
+def _tokens(spec: DataSpec, seed: int) -> Dataset:
+    """Next-token prediction: x is a sequence, y the same sequence shifted by one token."""
+    seq = token_corpus(spec.tokens)
+    x, y = seq[:, :-1], seq[:, 1:]
+    train, val = _split(len(seq), spec.val_fraction, seed)
+    info = DatasetInfo(input_shape=(spec.tokens.seq_len,), num_outputs=spec.tokens.vocab, task="next_token")
+    return Dataset(x[train], y[train], x[val], y[val], info)
+
+
 def load_dataset(spec: DataSpec, seed: int) -> Dataset:
     """Load and split ``spec``'s data; the split depends only on ``seed``."""
+    if spec.name == "tokens":
+        return _tokens(spec, seed)
     image_shape = None
     if spec.name == "digits":
         x, y, image_shape = _digits()

@@ -26,3 +26,9 @@ class LaunchError(UserError):
 
 class BackendUnavailableError(UserError):
     """A backend or framework is asked for but is not installed/usable here."""
+
+
+class TrainingFailure(Exception):
+    """Training cannot go on (diverged, replicas drifted apart, ranks disagree): one line, exit code 1."""
+
+    exit_code = 1

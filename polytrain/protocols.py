@@ -69,6 +69,18 @@ class Framework(Protocol):
 
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None: ...
 
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every parameter by portable name (for the cross-rank start-up check)."""
+        ...
+
+    def grads_finite(self) -> bool:
+        """No NaN/Inf in the synchronised gradients; the same answer on every rank."""
+        ...
+
+    def discard_gradients(self) -> None:
+        """Drop the accumulated gradients without an update (a skipped step)."""
+        ...
+
     def rng_state(self) -> list[int]:
         """This rank's framework RNG state (stored per rank in checkpoints)."""
         ...

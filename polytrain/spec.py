@@ -48,8 +48,19 @@ class SyntheticSpec:
 
 
 @dataclass(frozen=True)
+class TokenSpec:
+    """A deterministic token corpus for next-token prediction (see `polytrain.data`)."""
+
+    samples: int = _rule(1024, min=8)  # sequences
+    seq_len: int = _rule(32, min=2)  # tokens per input sequence
+    vocab: int = _rule(32, min=2)
+    noise: float = _rule(0.1, min=0.0, max=1.0)  # share of tokens drawn at random instead of by the rule
+    seed: int = _rule(0, min=0)
+
+
+@dataclass(frozen=True)
 class DataSpec:
-    name: str = _rule("digits", choices=("digits", "synthetic", "npz"))
+    name: str = _rule("digits", choices=("digits", "synthetic", "npz", "tokens"))
     path: str | None = None
     batch_size: int = _rule(32, min=1)  # per worker, per micro-step
     # When set, a step takes this many samples whatever the world size (split across ranks and
@@ -57,6 +68,7 @@ class DataSpec:
     global_batch_size: int | None = _rule(None, min=1)
     val_fraction: float = _rule(0.2, min=0.0, max=0.9)
     synthetic: SyntheticSpec = field(default_factory=SyntheticSpec)
+    tokens: TokenSpec = field(default_factory=TokenSpec)
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,42 @@ class CheckpointSpec:
     keep_last: int = _rule(3, min=1)
 
 
+FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+
+
+@dataclass(frozen=True)
+class FSDPSpec:
+    """Options of backend ``fsdp`` (FSDP2 ``fully_shard``)."""
+
+    sharding: str = _rule("full_shard", choices=FSDP_SHARDING)
+    # Module classes (class name or module.QualName) sharded as units; null: the blocks the model declares.
+    units: tuple[str, ...] | None = None
+    activation_checkpointing: bool = False  # recompute each unit's activations in the backward pass
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
+    reduce_fp32: bool = True  # with precision bf16/fp16: reduce gradients in fp32 (else in the compute dtype)
+
+
+@dataclass(frozen=True)
+class DeepSpeedSpec:
+    """Options of backend ``deepspeed``; ``config`` overrides any key of the generated DeepSpeed config."""
+
+    stage: int = _rule(2, choices=(0, 1, 2, 3))  # ZeRO stage
+    offload_optimizer: bool = False  # optimizer state and step on the CPU (ZeRO-Offload, stage >= 1)
+    offload_param: bool = False  # parameters in CPU memory (ZeRO-Infinity, stage 3)
+    save_checkpoint: bool = False  # also write DeepSpeed's own checkpoint to <output>/deepspeed_checkpoint
+    config: Mapping[str, Any] = field(default_factory=dict)  # merged key by key over the generated config
+
+
+@dataclass(frozen=True)
+class ReliabilitySpec:
+    """What to do when training goes wrong, and how long to wait before calling it a failure."""
+
+    on_nonfinite: str = _rule("stop", choices=("stop", "skip"))  # a NaN/Inf loss or gradient
+    verify_every_n_steps: int | None = _rule(None, min=1)  # checksum the replicas across ranks
+    collective_timeout_s: float = _rule(300.0, min=1.0)  # a collective not done by then fails the job
+    startup_check: bool = True  # compare spec digest, parameters and library versions across ranks
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     framework: str = _rule("torch", choices=FRAMEWORKS)
@@ -110,6 +158,9 @@ class TrainSpec:
     seed: int = _rule(0, min=0)
     output: str = "runs/polytrain"
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    reliability: ReliabilitySpec = field(default_factory=ReliabilitySpec)
+    fsdp: FSDPSpec = field(default_factory=FSDPSpec)
+    deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -117,7 +168,7 @@ class TrainSpec:
     def digest(self) -> str:
         """A short hash of everything that defines the training (not where it writes)."""
         payload = self.to_dict()
-        for key in ("output", "checkpoint"):
+        for key in ("output", "checkpoint", "reliability"):
             payload.pop(key, None)
         return _hash(payload)
 
@@ -274,6 +325,37 @@ def _check_combinations(spec: TrainSpec) -> None:
         raise SpecError(f"schedule.min_lr: {spec.schedule.min_lr!r} must be below optimizer.lr {spec.optimizer.lr!r}")
     if spec.schedule.warmup_epochs > spec.loop.epochs:
         raise SpecError(f"schedule.warmup_epochs: {spec.schedule.warmup_epochs!r} exceeds loop.epochs {spec.loop.epochs}")
+    _check_tokens(spec)
+    _check_sharding(spec)
+
+
+def _check_tokens(spec: TrainSpec) -> None:
+    """Token data and the transformer LM go together (a custom factory may take token data too)."""
+    if spec.model.name == "transformer" and spec.data.name != "tokens":
+        raise SpecError(f"model.name: 'transformer' needs data.name 'tokens', not {spec.data.name!r}")
+    if spec.data.name == "tokens" and spec.model.name in ("mlp", "convnet"):
+        raise SpecError(f"data.name: 'tokens' needs model.name 'transformer' or a factory, not {spec.model.name!r}")
+
+
+def _check_sharding(spec: TrainSpec) -> None:
+    """The fsdp/deepspeed tables: only with their backend, and DeepSpeed's own combination rules."""
+    for table, default in (("fsdp", FSDPSpec()), ("deepspeed", DeepSpeedSpec())):
+        if getattr(spec, table) != default and spec.backend != table:
+            raise SpecError(f"{table}: only used with backend {table!r}, not {spec.backend!r}")
+    ds = spec.deepspeed
+    if ds.offload_param and ds.stage != 3:
+        raise SpecError(f"deepspeed.offload_param: needs deepspeed.stage 3, not {ds.stage}")
+    if spec.backend == "deepspeed" and ds.stage > 0 and spec.reliability.on_nonfinite == "skip":
+        raise SpecError("reliability.on_nonfinite: 'skip' needs deepspeed.stage 0 on backend deepspeed (ZeRO keeps "
+                        "partitioned gradients that cannot be dropped without a step); use 'stop'")
+    if ds.offload_optimizer and ds.stage == 0:
+        raise SpecError("deepspeed.offload_optimizer: needs deepspeed.stage 1, 2 or 3, not 0")
+    for key in ("optimizer", "scheduler"):
+        if key in ds.config:
+            raise SpecError(f"deepspeed.config.{key}: not allowed; polytrain passes its own {key} "
+                            f"(set it with the spec's {'optimizer' if key == 'optimizer' else 'schedule'} table)")
+    if spec.fsdp.units is not None and any(not name.strip() for name in spec.fsdp.units):
+        raise SpecError("fsdp.units: class names must not be blank")
 
 
 def from_dict(raw: Mapping[str, Any], *, validate_components: bool = True) -> TrainSpec:

@@ -11,6 +11,7 @@ the same as one process taking the whole global batch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -23,14 +24,25 @@ import numpy as np
 from polytrain import checkpoint as ckpt
 from polytrain import registry
 from polytrain.data import Dataset, epoch_plan, eval_shard, global_batch_size, load_dataset, steps_per_epoch
+from polytrain.errors import TrainingFailure
 from polytrain.metrics import MetricsLog, Progress
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
 from polytrain.world import World, detect_world
 
-
 # Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
 RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
+
+
+# How gloo, NCCL and torch.distributed word a lost or stalled peer.
+PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
+                        "Broken pipe", "Timed out", "timed out", "NCCL communicator was aborted",
+                        "Socket Timeout", "connection was lost")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(marker in text for marker in PEER_FAILURE_MARKERS) or type(exc).__name__ == "DistBackendError"
 
 
 @dataclass
@@ -61,6 +73,7 @@ class Trainer:
         self.show_progress = show_progress
         self.resume = resume
         self._last_saved: int | None = None
+        self.activity = "start-up"
 
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
@@ -72,7 +85,13 @@ class Trainer:
         try:
             data = load_dataset(spec.data, spec.seed)
             self.framework = registry.create_framework(spec, world, self.backend)
+            check = spec.reliability.startup_check and world.size > 1
+            if check:  # before building: a wrapper like DDP would fail on mismatched models with less to say
+                self._check_ranks_agree({"spec digest": spec.digest(), "library versions": _library_versions()})
             self.framework.build(data.info)
+            if check:
+                shapes = sorted(self.framework.parameter_shapes().items())
+                self._check_ranks_agree({"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
             self.progress.line(
                 f"polytrain: {spec.framework}/{self.backend.name} on {world.size} process(es) "
                 f"(launcher: {world.launcher}); {len(data.x_train)} training samples, "
@@ -80,7 +99,15 @@ class Trainer:
             self.global_batch = global_batch_size(spec.data, world.size, spec.loop.grad_accum_steps)
             self.per_epoch = steps_per_epoch(len(data.x_train), self.global_batch)
             start = self._restore() if self._resume_target() else Position()
-            result = self._loop(data, start)
+            try:
+                result = self._loop(data, start)
+            except RuntimeError as exc:
+                if not is_peer_failure(exc):
+                    raise
+                detail = str(exc).strip().splitlines()[0][:200]
+                raise TrainingFailure(
+                    f"rank {world.rank}: a collective failed during {self.activity}: another rank died, stalled "
+                    f"or lost its connection ({detail})") from exc
             self._save_model(result)
             return result
         finally:
@@ -93,6 +120,9 @@ class Trainer:
         per_epoch = self.per_epoch
         total = per_epoch * loop.epochs if loop.max_steps is None else min(loop.max_steps, per_epoch * loop.epochs)
         every_steps, every_epochs = spec.checkpoint.every_n_steps, spec.checkpoint.every_n_epochs
+        verify_every = spec.reliability.verify_every_n_steps
+        # fp16 runs skip overflowing steps through their loss scaler instead.
+        self.check_finite = spec.precision != "fp16"
         result = TrainResult(global_step=start.step, epochs_done=start.epoch)
         step = start.step
         here = Position(start.step, start.epoch, start.step_in_epoch)  # where the loop stands, for saves
@@ -109,6 +139,7 @@ class Trainer:
             for i, plan in enumerate(plans, start=first):
                 if step >= total:
                     break
+                self.activity = f"forward/backward of step {step + 1}"
                 scale = world.size / plan.global_count
                 last = len(plan.micro_batches) - 1
                 for m, idx in enumerate(plan.micro_batches):
@@ -116,8 +147,14 @@ class Trainer:
                     window += (loss_sum, len(idx))
                 lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=world.size,
                            steps_per_epoch=per_epoch, total_steps=total)
-                fw.optimizer_step(lr, loop.grad_clip_norm)
+                self.activity = f"the optimizer step of step {step + 1}"
+                if self.check_finite and not fw.grads_finite():
+                    self._nonfinite(step + 1)
+                else:
+                    fw.optimizer_step(lr, loop.grad_clip_norm)
                 step += 1
+                if verify_every and step % verify_every == 0:
+                    self._verify_replicas(step)
                 here = Position(step, epoch, i + 1)
                 if step % loop.log_every_n_steps == 0 or i + 1 == per_epoch or step == total:
                     loss_total, count = self.backend.all_reduce(window)
@@ -144,6 +181,33 @@ class Trainer:
         result.global_step = step
         return result
 
+    # ------------------------------------------------------------------ reliability
+    def _check_ranks_agree(self, mine: dict[str, Any]) -> None:
+        """Every rank must run the same spec, model and libraries; a mismatch fails on every rank."""
+        everyone = self.backend.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone):
+            for key, value in theirs.items():
+                if value != everyone[0][key]:
+                    raise TrainingFailure(
+                        f"startup check: rank {rank}'s {key} ({value}) differs from rank 0's ({everyone[0][key]}); "
+                        f"every rank must run the same spec, code and libraries")
+
+    def _nonfinite(self, step: int) -> None:
+        policy = self.spec.reliability.on_nonfinite
+        self.log.write("nonfinite", step=step, action=policy)
+        if policy == "stop":
+            raise TrainingFailure(f"step {step}: the loss or a gradient is NaN/Inf; stopped "
+                                  f"(reliability.on_nonfinite: stop; 'skip' drops such steps instead)")
+        self.framework.discard_gradients()
+        self.progress.line(f"step {step}: the loss or a gradient is NaN/Inf; step skipped (on_nonfinite: skip)")
+
+    def _verify_replicas(self, step: int) -> None:
+        digests = self.backend.all_gather_object(ckpt.state_digest(self.framework.export_state()))
+        drifted = [rank for rank, d in enumerate(digests) if d != digests[0]]
+        if drifted:
+            raise TrainingFailure(f"step {step}: the weights of rank(s) {', '.join(map(str, drifted))} differ from "
+                                  f"rank 0's (replicas drifted apart; reliability.verify_every_n_steps)")
+
     def _end_epoch(self, data: Dataset, result: TrainResult, epoch: int, step: int, complete: bool) -> None:
         val_loss, val_acc = self._evaluate(data)
         result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
@@ -158,6 +222,7 @@ class Trainer:
 
     def _evaluate(self, data: Dataset) -> tuple[float, float | None]:
         """Each rank evaluates its shard in the same number of batches; sums are all-reduced."""
+        self.activity = "evaluation"
         world, batch = self.world, self.spec.data.batch_size
         mine = eval_shard(len(data.x_val), world.size, world.rank)
         n_batches = max(1, math.ceil(math.ceil(len(data.x_val) / world.size) / batch))
@@ -173,6 +238,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, pos: Position) -> None:
         """Every rank takes part (state gathering is collective); rank 0 writes."""
+        self.activity = f"the checkpoint at step {pos.step}"
         model = self.framework.export_state()
         optimizer = self.framework.export_optimizer_state()
         rng = self.backend.all_gather_object(self.framework.rng_state())

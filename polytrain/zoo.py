@@ -29,7 +29,19 @@ class ConvNetParams:
     activation: str = _rule("relu", choices=("relu", "gelu", "tanh"))
 
 
-ZOO: dict[str, type] = {"mlp": MLPParams, "convnet": ConvNetParams}
+@dataclass(frozen=True)
+class TransformerParams:
+    """A decoder-only LM; vocabulary and sequence length come from the token data (data.tokens)."""
+
+    d_model: int = _rule(64, min=1)
+    n_heads: int = _rule(4, min=1)
+    n_layers: int = _rule(2, min=1)
+    d_ff: int | None = _rule(None, min=1)  # MLP width; null: 4 × d_model
+    tie_weights: bool = True  # the output head shares the token embedding matrix
+    dropout: float = _rule(0.0, min=0.0, max=0.9)
+
+
+ZOO: dict[str, type] = {"mlp": MLPParams, "convnet": ConvNetParams, "transformer": TransformerParams}
 
 
 def is_import_path(name: str) -> bool:
@@ -47,6 +59,8 @@ def model_params(name: str, params: Mapping[str, Any]) -> Any:
     for i, size in enumerate(getattr(params_obj, "hidden_sizes", ()) + getattr(params_obj, "channels", ())):
         if size < 1:
             raise SpecError(f"model.params: sizes must be >= 1, got {size} at position {i}")
+    if isinstance(params_obj, TransformerParams) and params_obj.d_model % params_obj.n_heads:
+        raise SpecError(f"model.params.n_heads: {params_obj.n_heads} does not divide d_model {params_obj.d_model}")
     return params_obj
 
 

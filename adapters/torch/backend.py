@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,35 @@ def choose_process_group_backend(device: str, nccl_available: bool) -> str:
     return "nccl" if device.startswith("cuda") and nccl_available else "gloo"
 
 
+def check_fp16_runs(device: torch.device) -> None:
+    """Raise a one-line error when fp16 autocast cannot run on ``device`` (old CPUs / builds)."""
+    from polytrain.errors import BackendUnavailableError
+
+    try:
+        with torch.autocast(device_type=device.type, dtype=torch.float16):
+            out = torch.nn.functional.linear(torch.ones(2, 2, device=device), torch.ones(2, 2, device=device))
+        if out.dtype != torch.float16:
+            raise RuntimeError(f"autocast produced {out.dtype}")
+    except RuntimeError as exc:
+        reason = " ".join(str(exc).split())[:120]
+        raise BackendUnavailableError(f"precision: fp16 cannot run on {device} here ({reason}); use bf16 or fp32") \
+            from None
+
+
+def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
+    """The TCPStore the process group meets in, with keys scoped to this (re)start of the job.
+
+    Under torchrun the elastic agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``) and keeps it
+    across worker restarts; without a per-restart prefix, restarted workers would read the dead
+    workers' addresses. Elsewhere rank 0 hosts it at the World's master address and port.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size,
+                          is_master=world.rank == 0 and not agent_store, timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("POLYTRAIN_RESTART_COUNT") or "0"
+    return dist.PrefixStore(f"polytrain/restart_{restart}", store)
+
+
 class TorchBackend:
     name = "base"
 
@@ -51,13 +81,13 @@ class TorchBackend:
         from polytrain.world import ensure_master
 
         world = ensure_master(self.world)
-        nccl = dist.is_nccl_available()
+        timeout = datetime.timedelta(seconds=self.spec.reliability.collective_timeout_s)
         dist.init_process_group(
-            backend=choose_process_group_backend(str(self.device), nccl),
-            init_method=f"tcp://{world.master_addr}:{world.master_port}",
+            backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
+            store=rendezvous_store(world, timeout=timeout),
             rank=world.rank,
             world_size=world.size,
-            timeout=datetime.timedelta(seconds=300),
+            timeout=timeout,
         )
         self._owns_group = True
 
@@ -82,8 +112,44 @@ class TorchBackend:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        """Apply the update; a backend that may skip it (its own fp16 scaler) returns whether it applied it."""
         optimizer.step()
+        return None
+
+    # ---------------------------------------------------------------- fp16 loss scaling
+    def grad_scaler(self) -> Any | None:
+        """The dynamic loss scaler for precision fp16 (None otherwise, or when the backend scales itself).
+
+        Gradients must be identical on every rank when it checks them for inf/NaN (true
+        after DDP's all-reduce); a backend with sharded gradients returns a scaler that
+        agrees across ranks."""
+        if self.spec.precision != "fp16":
+            return None
+        check_fp16_runs(self.device)
+        return torch.amp.GradScaler(self.device.type)
+
+    def scaled_optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
+        """Step unless the gradients overflowed; update the scale. Returns whether the update was applied."""
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() >= before  # the scale only shrinks after an overflow (a skipped step)
+
+    def loss_scale(self) -> float | None:
+        """The loss scale of a backend that owns its fp16 scaler (see `grad_scaler`)."""
+        return None
+
+    def grads_finite(self, model: nn.Module) -> bool:
+        """True when no gradient holds a NaN or Inf.
+
+        Data-parallel backends hold the same averaged gradients on every rank after the sync, so the
+        local answer is everyone's answer; sharded backends override this with an all-reduce.
+        """
+        grads = [p.grad for p in self.unwrap(model).parameters() if p.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
 
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state (collective on sharded backends)."""

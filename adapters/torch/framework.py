@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +16,17 @@ from polytrain.adapters.torch.models import build_model
 from polytrain.protocols import DatasetInfo
 from polytrain.spec import OptimizerSpec, TrainSpec
 from polytrain.world import World
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _build_model(name: str, params: Any, info: DatasetInfo) -> torch.nn.Module:
+    if name == "transformer":
+        from polytrain.adapters.torch.transformer import build_transformer
+        from polytrain.zoo import model_params
+
+        return build_transformer(model_params(name, params), info)
+    return build_model(name, params, info)
 
 
 def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -35,12 +48,16 @@ class TorchFramework:
     def build(self, info: DatasetInfo) -> None:
         self.info = info
         torch.manual_seed(self.spec.seed)  # identical initial weights on every rank
-        model = build_model(self.spec.model.name, self.spec.model.params, info).to(self.device)
+        model = _build_model(self.spec.model.name, self.spec.model.params, info).to(self.device)
         optimizer = make_optimizer(self.spec.optimizer, model.parameters())
         self.model, self.optimizer = self.backend.wrap(model, optimizer)
         torch.manual_seed(self.spec.seed + self.world.rank)  # per-rank randomness from here on
         self.regression = info.task == "regression"
-        self.autocast_dtype = torch.bfloat16 if self.spec.precision == "bf16" else None
+        self.sequence = info.task == "next_token"  # logits (batch, length, vocab); loss per sample = token mean
+        self.autocast_dtype = AUTOCAST_DTYPES.get(self.spec.precision)
+        self.scaler = self.backend.grad_scaler()  # fp16: dynamic loss scaling, unless the backend owns it
+        self.skipped_steps = 0
+        self.updates = 0  # optimizer steps run by this process (applied or skipped)
 
     def _tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
@@ -49,6 +66,9 @@ class TorchFramework:
         out = out.float()
         if self.regression:
             return F.mse_loss(out.reshape(-1), y, reduction="sum")
+        if self.sequence:
+            per_token = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
+            return per_token.view(y.shape).mean(dim=1).sum()
         return F.cross_entropy(out, y, reduction="sum")
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -63,16 +83,39 @@ class TorchFramework:
             with self._autocast():
                 out = self.model(xb)
             loss = self._loss_sum(out, yb)
-            self.backend.backward(loss * loss_scale)
+            scaled = loss * loss_scale
+            self.backend.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
         return float(loss.detach())
 
     def optimizer_step(self, lr: float, clip_norm: float | None) -> float | None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         norm = self.backend.clip_grad_norm(self.model, clip_norm) if clip_norm is not None else None
-        self.backend.optimizer_step(self.optimizer)
+        if self.scaler is None:
+            applied = self.backend.optimizer_step(self.optimizer)
+        else:
+            applied = self.backend.scaled_optimizer_step(self.optimizer, self.scaler)
+        self.updates += 1
+        if applied is False:  # fp16 overflow: the update was skipped (on every rank alike)
+            self.skipped_steps += 1
+            if self.world.rank == 0:
+                print(f"polytrain: fp16 gradient overflow in update {self.updates} of this run: skipped "
+                      f"({self.skipped_steps} so far), loss scale now {self.loss_scale()}", file=sys.stderr, flush=True)
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale, or None when no loss scaling runs."""
+        if self.scaler is not None:
+            return float(self.scaler.get_scale())
+        return self.backend.loss_scale()
+
+    def step_stats(self) -> dict[str, float]:
+        """Numbers the Trainer may add to its step log: skipped (overflow) updates and the loss scale."""
+        scale = self.loss_scale()
+        return {} if scale is None else {"skipped_steps": float(self.skipped_steps), "loss_scale": scale}
 
     @torch.no_grad()
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
@@ -81,6 +124,9 @@ class TorchFramework:
         xb, yb = self._tensors(x, y)
         with self._autocast():
             out = model(xb)
+        if self.sequence:  # per-token sums and counts: val loss and accuracy are per next token
+            per_token = F.cross_entropy(out.float().flatten(0, 1), yb.flatten(), reduction="sum")
+            return float(per_token), float((out.argmax(dim=-1) == yb).sum()), yb.numel()
         loss = float(self._loss_sum(out, yb))
         if self.regression:
             return loss, 0.0, len(y)
@@ -97,6 +143,18 @@ class TorchFramework:
 
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:
         self.backend.load_full_optimizer_state(self.model, self.optimizer, _tensors(state))
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full (unsharded) shape of every parameter, by portable name; no communication."""
+        model = self.backend.unwrap(self.model)
+        return {name: tuple(getattr(p, "ds_shape", None) or p.shape) for name, p in model.named_parameters()}
+
+    def grads_finite(self) -> bool:
+        """Whether every gradient is finite, the same answer on every rank (see the backend's hook)."""
+        return self.backend.grads_finite(self.model)
 
     def rng_state(self) -> list[int]:
         return torch.get_rng_state().tolist()

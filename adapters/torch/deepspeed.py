@@ -1,0 +1,313 @@
+"""``deepspeed``: DeepSpeed ZeRO stages 0–3, optional CPU offload, on CPU (gloo) or GPU (NCCL).
+
+The DeepSpeed config is generated from the spec (`deepspeed_config`); ``deepspeed.config``
+is merged over it key by key, and rank 0 writes the result to
+``<output>/deepspeed_config.json``. polytrain keeps control of what must match the
+other backends:
+
+- the optimizer is polytrain's own torch optimizer, handed to ``deepspeed.initialize``
+  (so every backend runs the same update code), its learning rate set every step;
+- the loss: ``engine.backward(loss, scale_wrt_gas=False)`` — the Trainer's loss is
+  already scaled for exact averaging, DeepSpeed must not divide it by the
+  accumulation steps again; DeepSpeed averages gradients over ranks like DDP;
+- accumulation: the Trainer's last micro-step is the boundary
+  (``set_gradient_accumulation_boundary``), whatever DeepSpeed's step counter says;
+- clipping: ``gradient_clipping`` is always written (0.0 = off), since DeepSpeed's
+  default has changed between releases; DeepSpeed clips inside ``engine.step()``.
+
+On CPU DeepSpeed's accelerator is ``cpu`` and collectives go through the gloo group
+polytrain starts. The shared-memory op DeepSpeed compiles at start-up on CPU
+(``deepspeed_shm_comm``, ~2 min) serves only its inference all-reduce, so it is skipped;
+JIT-built ops that remain (e.g. ``cpu_adam`` if a config override asks for it) are
+cached under ``~/.cache/polytrain/torch_extensions`` (``TORCH_EXTENSIONS_DIR``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polytrain.adapters.torch.backend import TorchBackend, choose_process_group_backend
+from polytrain.errors import BackendUnavailableError
+from polytrain.spec import TrainSpec
+
+EXTENSIONS_DIR = Path.home() / ".cache" / "polytrain" / "torch_extensions"
+CONFIG_FILE = "deepspeed_config.json"
+CHECKPOINT_DIR = "deepspeed_checkpoint"
+NEVER = 2**31 - 1  # steps_per_print: polytrain does the logging
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``override`` merged in: tables merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = dict(value) if isinstance(value, Mapping) else value
+    return out
+
+
+def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config for ``spec`` on ``world_size`` ranks, ``spec.deepspeed.config`` merged over it."""
+    ds, loop, data = spec.deepspeed, spec.loop, spec.data
+    accum = loop.grad_accum_steps
+    micro = data.batch_size
+    if data.global_batch_size is not None:
+        micro = max(1, math.ceil(data.global_batch_size / (world_size * accum)))
+    zero: dict[str, Any] = {"stage": ds.stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    generated = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world_size,
+        "gradient_clipping": float(loop.grad_clip_norm or 0.0),
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.precision == "bf16"},
+        # Dynamic loss scaling with torch.amp.GradScaler's settings: start at 2^16, halve on
+        # overflow (hysteresis 1), double after 2000 clean steps.
+        "fp16": {"enabled": spec.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 2000, "hysteresis": 1, "min_loss_scale": 1},
+        # polytrain's torch optimizer on every backend (same update code): ZeRO must accept it,
+        # also with offload (where DeepSpeed would otherwise insist on its compiled CPU Adam).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": NEVER,
+        "wall_clock_breakdown": False,
+    }
+    return merge(generated, ds.config)
+
+
+def _prepare_environment(device: torch.device) -> None:
+    """Before DeepSpeed is imported: its accelerator on CPU, and where JIT-built ops are cached."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
+
+
+def _skip_shm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory op: only its inference all-reduce uses it."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+class DeepSpeedBackend(TorchBackend):
+    name = "deepspeed"
+
+    def setup(self) -> None:
+        _prepare_environment(self.device)
+        # DeepSpeed reads its local rank from the environment; MPICH, Slurm or a single process set none.
+        os.environ.setdefault("LOCAL_RANK", str(self.world.local_rank))
+        super().setup()
+        if not dist.is_initialized():  # one process: DeepSpeed still wants a process group
+            from polytrain.world import free_port
+
+            dist.init_process_group(
+                backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
+                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                timeout=datetime.timedelta(seconds=300))
+            self._owns_group = True
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if self.spec.precision == "fp16" and not get_accelerator().is_fp16_supported():
+            raise BackendUnavailableError(
+                f"precision: fp16 is not supported by DeepSpeed's {get_accelerator().device_name()} accelerator "
+                "here (no fp16 kernels on this CPU); use bf16 or fp32, or a GPU")
+        if self.device.type == "cpu":
+            _skip_shm_op()
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+        deepspeed.utils.logger.setLevel("WARNING")
+        self._saved_step: int | None = None
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        import deepspeed
+
+        self.config = deepspeed_config(self.spec, self.world.size, on_gpu=self.device.type == "cuda")
+        if self.world.rank == 0:
+            out = Path(self.spec.output)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / CONFIG_FILE).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        engine.set_gradient_accumulation_boundary(True)
+        self.engine = engine
+        return engine, ds_optimizer
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return getattr(model, "module", model)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Not the accumulation boundary: ZeRO-0/1 keep gradients local, ZeRO-2/3 keep accumulating shards."""
+        model.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            model.set_gradient_accumulation_boundary(True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float | None:
+        """DeepSpeed clips inside ``engine.step()`` (``gradient_clipping`` in the config); no norm to report yet."""
+        return None
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        self.engine.step()
+        return bool(self.engine.was_step_applied())  # False: fp16 overflow, DeepSpeed skipped the update
+
+    def grads_finite(self, model: nn.Module) -> bool:
+        """Checks the gradients where ZeRO keeps them (this rank's reduced partitions, or ``.grad`` at
+        stage 0); one all-reduce gives every rank the same answer."""
+        held = getattr(self.engine.optimizer, "averaged_gradients", None) or {}
+        partitions = [t for group in (held.values() if isinstance(held, dict) else held) if group
+                      for t in (group if isinstance(group, list) else [group]) if torch.is_tensor(t)]
+        grads = partitions + [p.grad for p in self.unwrap(model).parameters() if p.grad is not None]
+        bad = float(any(not bool(torch.isfinite(g).all()) for g in grads if g.numel()))
+        return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
+
+    def grad_scaler(self) -> None:
+        return None  # DeepSpeed's engine scales the loss itself (the config's fp16 section)
+
+    def loss_scale(self) -> float | None:
+        if self.spec.precision != "fp16":
+            return None
+        return float(getattr(self.engine.optimizer, "cur_scale", math.nan))
+
+    # ---------------------------------------------------------------- full (consolidated) state
+    def _hp_params(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.unwrap(self.engine).named_parameters()
+
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The fp32 weights (ZeRO's master copy, gathered on every rank); collective."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        if self.spec.deepspeed.save_checkpoint:
+            self._save_native_checkpoint()
+        gathered: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, value in self.unwrap(model).state_dict(keep_vars=True).items():
+            if not isinstance(value, nn.Parameter):
+                out[name] = value.detach().cpu()
+                continue
+            if id(value) not in gathered:  # tied weights: one gather, two names
+                full = safe_get_full_fp32_param(value)  # None: no ZeRO, no low-precision copy
+                gathered[id(value)] = (value if full is None else full).detach().float().cpu()
+            out[name] = gathered[id(value)]
+        return out
+
+    def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        module = self.unwrap(model)
+        for name, param in module.named_parameters():
+            value = state[name].to(self.device, torch.float32)
+            with self._gathered(param):
+                param.data.copy_(value.to(param.dtype))
+            safe_set_full_fp32_param(param, value)
+        for name, buffer in module.named_buffers():
+            if name in state:
+                buffer.data.copy_(state[name].to(buffer.device, buffer.dtype))
+
+    def _gathered(self, param: nn.Parameter) -> contextlib.AbstractContextManager[Any]:
+        """ZeRO-3: the whole parameter for the block, re-partitioned after (rank 0's values kept)."""
+        if not hasattr(param, "ds_id"):
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+
+    def _optimizer_slots(self) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """The inner torch optimizer's per-parameter slots (e.g. exp_avg) and its scalar ones (e.g. step)."""
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        for slots in inner.state.values():
+            tensors = [k for k, v in slots.items() if torch.is_tensor(v) and v.ndim > 0]
+            scalars = {k: torch.as_tensor(v).detach().cpu() for k, v in slots.items() if k not in tensors}
+            return tensors, scalars
+        return [], {}
+
+    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """``<parameter name>/<slot>`` → full fp32 tensor, gathered from the ZeRO partitions; collective."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        if self.engine.zero_optimization_stage() == 0 and self.spec.precision == "fp32":
+            return super().full_optimizer_state(self.unwrap(model), optimizer)
+        tensors, scalars = self._optimizer_slots()
+        out = {}
+        for name, param in self._hp_params():
+            for slot in tensors:
+                out[f"{name}/{slot}"] = safe_get_full_optimizer_state(param, slot).detach().cpu()
+            for slot, value in scalars.items():
+                out[f"{name}/{slot}"] = value.clone()
+        return out
+
+    def load_full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Mapping[str, torch.Tensor]) -> None:
+        """Scatter ``<parameter name>/<slot>`` full tensors into ZeRO's partitions (every rank calls this)."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        from polytrain.checkpoint import CheckpointError
+
+        if not state:
+            return
+        if self.engine.zero_optimization_stage() == 0 and self.spec.precision == "fp32":
+            return super().load_full_optimizer_state(self.unwrap(model), optimizer, state)
+        params = dict(self._hp_params())
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            name, _, slot = key.rpartition("/")
+            if name not in params:
+                raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
+            slots.setdefault(name, {})[slot] = value
+        # Per-parameter slots have a parameter's shape somewhere; the others (Adam's step) are one number.
+        tensor_slots = {slot for per_param in slots.values() for slot, v in per_param.items() if v.numel() > 1}
+        scalars = {slot: v.reshape(()) for slot, v in next(iter(slots.values())).items() if slot not in tensor_slots}
+        self._materialize_optimizer_state(sorted(tensor_slots), scalars)
+        for name, param in params.items():
+            for slot, value in slots.get(name, {}).items():
+                if slot in tensor_slots:
+                    safe_set_full_optimizer_state(param, value.to(self.device, torch.float32), slot)
+
+    def _materialize_optimizer_state(self, tensor_slots: list[str], scalars: dict[str, torch.Tensor]) -> None:
+        """Give the inner torch optimizer its state before its first step (DeepSpeed creates it lazily),
+        then let ZeRO link each parameter's fragment of it; scalar slots (Adam's step) are set here."""
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        fresh = not inner.state
+        # ZeRO-3 puts its flat fp32 partitions into the optimizer's param groups only while it steps.
+        flats = getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", None)
+        if flats is None:
+            flats = [flat for group in inner.param_groups for flat in group["params"]]
+        for flat in flats:
+            slots = inner.state[flat]
+            for slot in tensor_slots:
+                if fresh or slot not in slots:
+                    slots[slot] = torch.zeros_like(flat)
+            for slot, value in scalars.items():
+                slots[slot] = value.clone()
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if fresh and link is not None:  # ZeRO-1/2 and the bf16 optimizer: point the fragments at the new state
+            link()
+
+    def _save_native_checkpoint(self) -> None:
+        """DeepSpeed's own checkpoint (collective), convertible with `polytrain.export`."""
+        step = int(self.engine.global_steps)
+        if self._saved_step == step:
+            return
+        self.engine.save_checkpoint(str(Path(self.spec.output) / CHECKPOINT_DIR))
+        self._saved_step = step

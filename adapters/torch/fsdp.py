@@ -1,0 +1,197 @@
+"""``fsdp``: PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) over gloo (CPU) or NCCL (GPU).
+
+Sharding strategies (``fsdp.sharding``), as device meshes and ``reshard_after_forward``:
+
+- ``full_shard``: a 1-D mesh over all ranks; parameters re-sharded after each unit's
+  forward (ZeRO-3-like).
+- ``shard_grad_op``: the same mesh, but parameters stay gathered from forward to
+  backward (ZeRO-2-like: gradients and optimizer state sharded).
+- ``hybrid_shard``: a 2-D mesh, replicate across nodes × shard within a node
+  (HSDP). On one machine the mesh is 1 × N, i.e. ``full_shard``.
+- ``no_shard``: a 2-D mesh N × 1: every rank holds everything and gradients are
+  all-reduced — DDP's semantics through FSDP2's code path (FSDP2 has no NO_SHARD of
+  its own; use ``ddp`` when you want DDP's bucketed implementation).
+
+Units: every module of the classes named in ``fsdp.units`` (default: the model's
+``block_classes``) is sharded on its own, then the root; activation checkpointing
+recomputes those units in the backward pass. ``fully_shard`` replaces the model's
+parameters with DTensors, so `wrap` builds the spec's optimizer again over them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polytrain.adapters.torch.backend import TorchBackend, check_fp16_runs, choose_process_group_backend
+from polytrain.errors import SpecError
+
+MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+RESHARD_AFTER_FORWARD = {"full_shard": True, "shard_grad_op": False, "hybrid_shard": True, "no_shard": False}
+
+
+def mesh_shape(sharding: str, size: int, num_nodes: int, local_size: int) -> tuple[int, ...]:
+    """The device mesh of a sharding strategy: (shard,) or (replicate, shard)."""
+    if sharding == "hybrid_shard":
+        if num_nodes * local_size != size:
+            raise SpecError(f"fsdp.sharding: hybrid_shard needs the same number of processes on every node; got "
+                            f"{size} processes on {num_nodes} node(s) with {local_size} per node")
+        return (num_nodes, local_size)
+    if sharding == "no_shard":
+        return (size, 1)
+    return (size,)
+
+
+def find_unit_classes(model: nn.Module, names: tuple[str, ...] | None) -> tuple[type[nn.Module], ...]:
+    """The module classes to shard as units: named ones (class name or module.QualName), else the model's own."""
+    if names is None:
+        return tuple(getattr(model, "block_classes", ()))
+    present = {type(m) for m in model.modules()} - {type(model)}
+    chosen: list[type[nn.Module]] = []
+    for name in names:
+        matches = [c for c in present if name in (c.__name__, f"{c.__module__}.{c.__qualname__}")]
+        if not matches:
+            known = ", ".join(sorted({c.__name__ for c in present})) or "none"
+            raise SpecError(f"fsdp.units: no module of class {name!r} in the model (its classes: {known})")
+        chosen.extend(matches)
+    return tuple(dict.fromkeys(chosen))
+
+
+class FSDPBackend(TorchBackend):
+    name = "fsdp"
+
+    def setup(self) -> None:
+        super().setup()
+        if not dist.is_initialized():  # one process: FSDP still needs a process group
+            from polytrain.world import free_port
+
+            dist.init_process_group(
+                backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
+                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                timeout=datetime.timedelta(seconds=300))
+            self._owns_group = True
+
+    def _mesh(self) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, sharding = self.world, self.spec.fsdp.sharding
+        shape = mesh_shape(sharding, world.size, world.num_nodes, world.local_size)
+        if sharding == "hybrid_shard":
+            # init_device_mesh puts ranks row by row: each row must be one node's ranks.
+            node_major = world.rank == world.node_rank * world.local_size + world.local_rank
+            if not all(self.all_gather_object(node_major)):
+                raise SpecError("fsdp.sharding: hybrid_shard needs ranks numbered node by node "
+                                "(rank = node_rank × processes per node + local_rank); the launcher interleaved them")
+        if len(shape) == 1:
+            return init_device_mesh(self.device.type, shape, mesh_dim_names=("shard",))
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+    def _shard_options(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        fsdp = self.spec.fsdp
+        options: dict[str, Any] = {"mesh": self._mesh(), "reshard_after_forward": RESHARD_AFTER_FORWARD[fsdp.sharding]}
+        dtype = MIXED_DTYPES.get(self.spec.precision)
+        if dtype is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=torch.float32 if fsdp.reduce_fp32 else dtype)
+        if fsdp.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        return options
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from torch.distributed.fsdp import fully_shard
+
+        fsdp = self.spec.fsdp
+        classes = find_unit_classes(model, fsdp.units)
+        units = [m for m in model.modules() if m is not model and isinstance(m, classes)]
+        if fsdp.activation_checkpointing:
+            if not units:
+                raise SpecError("fsdp.activation_checkpointing: the model declares no blocks to checkpoint; "
+                                "name their classes in fsdp.units")
+            from torch.distributed._composable import checkpoint  # keeps parameter names (no wrapper module)
+
+            for unit in units:
+                checkpoint(unit)
+        options = self._shard_options()
+        for unit in reversed(units):  # innermost first, as fully_shard requires
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        from polytrain.adapters.torch.framework import make_optimizer
+
+        # The given optimizer points at the replaced (unsharded) parameters: build the spec's over the new ones.
+        return model, make_optimizer(self.spec.optimizer, model.parameters())
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # DTensor-aware: a global norm
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def grads_finite(self, model: nn.Module) -> bool:
+        """Each rank checks its gradient shards; one all-reduce gives every rank the same answer."""
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
+        bad = float(any(not bool(torch.isfinite(g).all()) for g in grads if g.numel()))
+        return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
+
+    def grad_scaler(self) -> Any | None:
+        if self.spec.precision != "fp16":
+            return None
+        check_fp16_runs(self.device)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=self.device.type)  # all-reduces "found inf" over the shards
+
+    # ---------------------------------------------------------------- full (unsharded) state, every rank
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def load_full_state(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = {k: v.to(self.device) for k, v in state.items()}  # set_model_state_dict rewrites the dict it gets
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+
+    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        return {f"{name}/{key}": torch.as_tensor(value).detach().cpu()
+                for name, slots in osd["state"].items() for key, value in slots.items()}
+
+    def load_full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Mapping[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        current = get_optimizer_state_dict(model, optimizer, options=options)
+        known = {name for group in current["param_groups"] for name in group["params"]}
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            name, _, slot = key.rpartition("/")
+            if name not in known:
+                from polytrain.checkpoint import CheckpointError
+
+                raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
+            slots.setdefault(name, {})[slot] = value.clone() if value.ndim == 0 else value.to(self.device)
+        set_optimizer_state_dict(model, optimizer, {"state": slots, "param_groups": current["param_groups"]},
+                                 options=options)

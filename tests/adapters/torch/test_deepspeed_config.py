@@ -1,0 +1,106 @@
+"""The DeepSpeed config polytrain generates from a spec, and the spec rules of the deepspeed table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from polytrain import spec as spec_mod  # noqa: E402
+from polytrain.adapters.torch.deepspeed import deepspeed_config, merge  # noqa: E402
+from polytrain.errors import SpecError  # noqa: E402
+
+
+def make(**raw) -> spec_mod.TrainSpec:
+    return spec_mod.from_dict({"backend": "deepspeed", **raw}, validate_components=False)
+
+
+def test_batch_accumulation_and_clipping_come_from_the_spec() -> None:
+    spec = make(data={"batch_size": 12}, loop={"grad_accum_steps": 3, "grad_clip_norm": 0.7})
+    config = deepspeed_config(spec, world_size=4, on_gpu=False)
+    assert config["train_micro_batch_size_per_gpu"] == 12
+    assert config["gradient_accumulation_steps"] == 3
+    assert config["train_batch_size"] == 12 * 3 * 4
+    assert config["gradient_clipping"] == 0.7
+    assert config["zero_optimization"] == {"stage": 2}
+
+
+def test_clipping_is_pinned_off_when_the_spec_has_none() -> None:
+    config = deepspeed_config(make(), world_size=2, on_gpu=False)
+    assert "gradient_clipping" in config and config["gradient_clipping"] == 0.0
+
+
+def test_global_batch_size_sets_the_micro_batch() -> None:
+    spec = make(data={"global_batch_size": 100}, loop={"grad_accum_steps": 2})
+    config = deepspeed_config(spec, world_size=4, on_gpu=False)
+    assert config["train_micro_batch_size_per_gpu"] == 13  # ceil(100 / 8)
+    assert config["train_batch_size"] == 13 * 2 * 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_precision_sections_are_explicit(precision: str) -> None:
+    config = deepspeed_config(make(precision=precision), world_size=2, on_gpu=True)
+    assert config["bf16"] == {"enabled": precision == "bf16"}
+    fp16 = config["fp16"]
+    assert fp16["enabled"] is (precision == "fp16")
+    # dynamic scaling with GradScaler's settings, written out rather than left to DeepSpeed's defaults
+    assert (fp16["loss_scale"], fp16["initial_scale_power"], fp16["loss_scale_window"], fp16["hysteresis"]) == \
+        (0, 16, 2000, 1)
+
+
+def test_polytrains_optimizer_is_accepted_by_zero_even_with_offload() -> None:
+    spec = make(deepspeed={"stage": 3, "offload_optimizer": True, "offload_param": True})
+    config = deepspeed_config(spec, world_size=2, on_gpu=False)
+    assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                           "offload_param": {"device": "cpu", "pin_memory": False}}
+    assert config["zero_allow_untested_optimizer"] is True
+    assert config["zero_force_ds_cpu_optimizer"] is False
+    assert "optimizer" not in config and "scheduler" not in config
+    gpu = deepspeed_config(spec, world_size=2, on_gpu=True)
+    assert gpu["zero_optimization"]["offload_param"]["pin_memory"] is True
+
+
+def test_overrides_merge_table_by_table_and_replace_anything_else() -> None:
+    spec = make(deepspeed={"stage": 1, "config": {
+        "zero_optimization": {"reduce_bucket_size": 1000, "stage": 2},
+        "gradient_clipping": 2.5, "bf16": {"enabled": True}, "steps_per_print": 10, "new_key": [1, 2]}})
+    config = deepspeed_config(spec, world_size=2, on_gpu=False)
+    assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
+    assert config["gradient_clipping"] == 2.5
+    assert config["bf16"] == {"enabled": True}
+    assert config["steps_per_print"] == 10
+    assert config["new_key"] == [1, 2]
+    json.dumps(config)  # what rank 0 writes to <output>/deepspeed_config.json
+
+
+def test_merge_does_not_modify_its_inputs() -> None:
+    base = {"a": {"b": 1}}
+    merged = merge(base, {"a": {"c": 2}})
+    assert merged == {"a": {"b": 1, "c": 2}} and base == {"a": {"b": 1}}
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"deepspeed": {"stage": 2, "offload_param": True}}, "deepspeed.offload_param: needs deepspeed.stage 3"),
+    ({"deepspeed": {"stage": 0, "offload_optimizer": True}}, "deepspeed.offload_optimizer: needs deepspeed.stage"),
+    ({"deepspeed": {"stage": 4}}, "deepspeed.stage: 4 is not allowed"),
+    ({"deepspeed": {"config": {"optimizer": {"type": "Adam"}}}}, "deepspeed.config.optimizer: not allowed"),
+    ({"deepspeed": {"config": {"scheduler": {}}}}, "deepspeed.config.scheduler: not allowed"),
+    ({"deepspeed": {"config": [1]}}, "deepspeed.config: expected a table"),
+])
+def test_bad_deepspeed_tables_name_the_field(raw: dict, message: str) -> None:
+    with pytest.raises(SpecError, match=message.replace(".", r"\.")) as info:
+        make(**raw)
+    assert "\n" not in str(info.value)
+
+
+def test_deepspeed_table_needs_backend_deepspeed() -> None:
+    with pytest.raises(SpecError, match="deepspeed: only used with backend 'deepspeed', not 'ddp'"):
+        spec_mod.from_dict({"backend": "ddp", "deepspeed": {"stage": 3}}, validate_components=False)
+
+
+def test_skipping_nonfinite_steps_needs_zero_stage_0() -> None:
+    with pytest.raises(SpecError, match="reliability.on_nonfinite: 'skip' needs deepspeed.stage 0"):
+        make(deepspeed={"stage": 2}, reliability={"on_nonfinite": "skip"})
+    assert make(deepspeed={"stage": 0}, reliability={"on_nonfinite": "skip"}).deepspeed.stage == 0
