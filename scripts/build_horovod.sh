@@ -111,8 +111,15 @@ find_nccl_home() {
   done
   return 1
 }
-if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+# HOROVOD_GPU_OPERATIONS=NCCL from the caller asks for the NCCL build without a GPU to see (e.g. in
+# `docker build`); then a missing piece is an error rather than a quiet CPU-only build.
+WANT_NCCL="${HOROVOD_GPU_OPERATIONS:-}"
+if [[ "$WANT_NCCL" == NCCL ]] || { command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; }; then
   CUDA_DIR="${HOROVOD_CUDA_HOME:-${CUDA_HOME:-/usr/local/cuda}}"
+  if [[ "$WANT_NCCL" == NCCL ]] && { ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null \
+      || [[ ! -f "$CUDA_DIR/include/cuda_runtime.h" ]] || ! find_nccl_home "$CUDA_DIR" >/dev/null; }; then
+    give_up "Horovod build failed: HOROVOD_GPU_OPERATIONS=NCCL needs a CUDA torch, CUDA headers in $CUDA_DIR and NCCL: $FALLBACK"
+  fi
   if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
     say "stage: GPU present but torch $TORCH_VERSION is a CPU build: building CPU-only"
   elif [[ ! -f "$CUDA_DIR/include/cuda_runtime.h" ]]; then
