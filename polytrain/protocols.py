@@ -13,7 +13,7 @@ import numpy as np
 class DatasetInfo:
     input_shape: tuple[int, ...]  # one sample, e.g. (64,) for digits
     num_outputs: int  # classes, or 1 for regression
-    task: str  # "classification" | "regression"
+    task: str  # "classification" | "regression" | "next_token"
     image_shape: tuple[int, int, int] | None = None  # (channels, height, width) when samples are images
 
 
@@ -79,6 +79,10 @@ class Framework(Protocol):
 
     def discard_gradients(self) -> None:
         """Drop the accumulated gradients without an update (a skipped step)."""
+        ...
+
+    def step_stats(self) -> dict[str, float]:
+        """Extra numbers for the step log (e.g. fp16 loss scale and skipped updates); may be empty."""
         ...
 
     def rng_state(self) -> list[int]:

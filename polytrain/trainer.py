@@ -161,7 +161,8 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     loss = loss_total / max(count, 1)
                     speed = count / elapsed if elapsed > 0 else 0.0
-                    self.log.write("step", step=step, epoch=epoch, loss=loss, lr=lr, samples_per_s=speed)
+                    self.log.write("step", step=step, epoch=epoch, loss=loss, lr=lr, samples_per_s=speed,
+                                   **fw.step_stats())
                     self.progress.update(i + 1, loss, speed)
                     result.train_loss, result.samples_per_s = loss, speed
                     window[:] = 0

@@ -28,7 +28,7 @@ BAD = [
     ({"model": {"name": "convnet", "params": {"kernel_size": 4}}}, "model.params.kernel_size: 4 is not allowed"),
     ({"model": {"name": "nosuchmodule_xyz:make"}}, "model.name: cannot import module 'nosuchmodule_xyz'"),
     ({"model": "mlp"}, "model: expected a table of name, params"),
-    ({"data": {"name": "mnist"}}, "data.name: 'mnist' is not allowed (allowed: digits, synthetic, npz)"),
+    ({"data": {"name": "mnist"}}, "data.name: 'mnist' is not allowed (allowed: digits, synthetic, npz, tokens)"),
     ({"data": {"batch_size": 0}}, "data.batch_size: 0 is out of range (must be >= 1)"),
     ({"data": {"batch_size": 2.5}}, "data.batch_size: expected an integer"),
     ({"data": {"val_fraction": 0.95}}, "data.val_fraction: 0.95 is out of range (must be <= 0.9)"),
@@ -65,9 +65,9 @@ def test_bad_spec_is_one_line_naming_the_field(raw: dict, message: str) -> None:
     assert "\n" not in text
 
 
-def test_fp16_is_rejected_until_a_backend_supports_it() -> None:
-    with pytest.raises(SpecError, match="precision: 'fp16' is not supported on backend 'ddp'"):
-        spec_mod.from_dict({"backend": "ddp", "precision": "fp16"})
+def test_fp16_is_rejected_where_the_backend_has_no_loss_scaling() -> None:
+    with pytest.raises(SpecError, match="precision: 'fp16' is not supported on backend 'mpi'"):
+        spec_mod.from_dict({"backend": "mpi", "precision": "fp16"})
 
 
 def test_defaults_and_types() -> None:

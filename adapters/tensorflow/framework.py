@@ -2,7 +2,8 @@
 
 Per micro-step a ``tf.function`` runs forward and backward of ``summed loss × loss_scale``
 and adds the gradients into accumulator variables; on the last micro-step the backend
-averages those across ranks. ``optimizer_step`` then clips by global norm (PyTorch's
+averages those across ranks (inside the same compiled call when its collectives are
+TensorFlow ops, as with ``tf-multiworker``; after it otherwise). ``optimizer_step`` then clips by global norm (PyTorch's
 ``clip_grad_norm_`` rule), applies PyTorch's update rule (see ``optimizers``) with the
 step's learning rate and zeroes the accumulators. ``bf16`` computes in bfloat16 with
 float32 variables (Keras' ``mixed_bfloat16`` policy); losses are always float32.
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.random.seed_generator import global_seed_generator
+from keras.src.random.seed_generator import global_seed_generator  # Keras exports no public accessor
 
 from polytrain.adapters.tensorflow.backend import TFBackend
 from polytrain.adapters.tensorflow.models import PortableVariable, build_model, from_portable, to_portable
@@ -197,6 +198,9 @@ class TensorFlowFramework:
             grouped.setdefault(index[name], {})[slot] = from_portable(value, layout) if value.ndim else value
         for i, slots in grouped.items():
             self.optimizer.load_slots(i, slots)
+
+    def step_stats(self) -> dict[str, float]:
+        return {}  # no loss scaling on TensorFlow yet: nothing beyond the loss to report
 
     def rng_state(self) -> list[int]:
         """Keras' global seed generator (what layers without their own seed draw from)."""
