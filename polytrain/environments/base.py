@@ -73,9 +73,7 @@ def read_ranks(env: Env, rank: str, size: str, local_rank: str | None = None,
     n = read_int(env, size, minimum=1)
     check_below(r, rank, n, size)
     lr = read_int(env, local_rank) if local_rank else 0
-    if local_rank and lr > r:
-        raise EnvironmentDetectionError(
-            f"{local_rank}={lr} contradicts {rank}={r}; a local rank cannot exceed the global rank (allowed 0..{r})")
+    # A local rank may exceed the global rank: Open MPI 5 maps ranks to slots in other orders than 0, 1, 2.
     if not local_size:
         return r, n, lr, lr + 1
     ln = read_int(env, local_size, minimum=1)

@@ -17,7 +17,6 @@ BAD = {
                                         "LOCAL_RANK=2 contradicts LOCAL_WORLD_SIZE=2"),
     "local size above size": (load_dump("torchrun_rank1", LOCAL_WORLD_SIZE="3"),
                               "LOCAL_WORLD_SIZE=3 contradicts WORLD_SIZE=2"),
-    "local rank above rank": (load_dump("torchrun_rank1", RANK="0"), "LOCAL_RANK=1 contradicts RANK=0"),
     "node rank not below nodes": (load_dump("torchrun_rank1", GROUP_RANK="1"),
                                   "GROUP_RANK=1 contradicts GROUP_WORLD_SIZE=1"),
     "port too high": (load_dump("torchrun_rank1", MASTER_PORT="70000"), "MASTER_PORT=70000 is out of range"),
