@@ -315,14 +315,14 @@ class Trainer:
 
 
 def _library_versions() -> dict[str, str]:
+    """Installed versions of a fixed list of libraries (read from metadata, so no rank's own imports matter)."""
     import importlib.metadata
     import sys
 
     out = {"python": sys.version.split()[0]}
-    for name in ("torch", "tensorflow", "tensorflow-cpu", "keras", "deepspeed", "horovod", "numpy"):
-        if name.split("-")[0] in sys.modules:
-            try:
-                out[name] = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                continue
+    for name in ("torch", "tensorflow", "tensorflow-cpu", "keras", "deepspeed", "horovod", "numpy", "mpi4py"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
     return out

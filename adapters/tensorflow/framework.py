@@ -3,10 +3,11 @@
 Per micro-step a ``tf.function`` runs forward and backward of ``summed loss × loss_scale``
 and adds the gradients into accumulator variables; on the last micro-step the backend
 averages those across ranks (inside the same compiled call when its collectives are
-TensorFlow ops, as with ``tf-multiworker``; after it otherwise). ``optimizer_step`` then clips by global norm (PyTorch's
-``clip_grad_norm_`` rule), applies PyTorch's update rule (see ``optimizers``) with the
-step's learning rate and zeroes the accumulators. ``bf16`` computes in bfloat16 with
-float32 variables (Keras' ``mixed_bfloat16`` policy); losses are always float32.
+TensorFlow ops, as with ``tf-multiworker``; after it otherwise). ``optimizer_step`` then
+clips by global norm (PyTorch's ``clip_grad_norm_`` rule), applies PyTorch's update rule
+(see ``optimizers``) with the step's learning rate and zeroes the accumulators. ``bf16``
+computes in bfloat16 with float32 variables (Keras' ``mixed_bfloat16`` policy); losses
+are always float32.
 """
 
 from __future__ import annotations
