@@ -165,3 +165,20 @@ class MpiCollectives:
         if self.size > 1:
             self.comm.Barrier()
 
+
+class TrainerCollectivesOverMpi:
+    """The Trainer's collectives for a backend whose ``self.mpi`` is an `MpiCollectives` (torch and TF alike)."""
+
+    mpi: MpiCollectives
+
+    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        return self.mpi.all_reduce(values, op)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.mpi.broadcast_object(obj, src)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.mpi.all_gather_object(obj)
+
+    def barrier(self) -> None:
+        self.mpi.barrier()

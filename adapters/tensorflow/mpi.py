@@ -16,10 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.adapters.tensorflow.backend import FlatGradients, TFBackend
-from polytrain.mpi_fusion import MpiCollectives
+from polytrain.mpi_fusion import MpiCollectives, TrainerCollectivesOverMpi
 
 
-class MpiBackend(TFBackend):
+class MpiBackend(TrainerCollectivesOverMpi, TFBackend):
     name = "mpi"
 
     def setup(self) -> None:
@@ -42,15 +42,3 @@ class MpiBackend(TFBackend):
         flat = self._flat.read()
         self.mpi.average_flat_(flat, self._flat.sizes)
         self._flat.write(flat)
-
-    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
-        return self.mpi.all_reduce(values, op)
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.mpi.broadcast_object(obj, src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.mpi.all_gather_object(obj)
-
-    def barrier(self) -> None:
-        self.mpi.barrier()

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from polytrain.adapters.torch.backend import TorchBackend
-from polytrain.mpi_fusion import MpiCollectives
+from polytrain.mpi_fusion import MpiCollectives, TrainerCollectivesOverMpi
 
 
 def _host_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
@@ -27,7 +26,7 @@ def _host_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     return tensor.detach().cpu().contiguous().numpy(), True
 
 
-class MpiBackend(TorchBackend):
+class MpiBackend(TrainerCollectivesOverMpi, TorchBackend):
     name = "mpi"
 
     def setup(self) -> None:
@@ -76,14 +75,3 @@ class MpiBackend(TorchBackend):
                     grad.copy_(torch.from_numpy(array))
 
     # ---------------------------------------------------------------- collectives for the Trainer
-    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
-        return self.mpi.all_reduce(values, op)
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.mpi.broadcast_object(obj, src)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.mpi.all_gather_object(obj)
-
-    def barrier(self) -> None:
-        self.mpi.barrier()
