@@ -6,9 +6,12 @@ Usage: misuse.py MODE, with MODE one of
   dtype  rank 1 broadcasts float64 where the others send float32
   model  rank 1 wraps a model with one more layer in DistributedOptimizer
   stall  rank 1 skips the allreduce 'skipped' and sleeps; the others wait in it
-Each rank prints ``OUTCOME rank=<r> <ExceptionType>: <message>`` before exiting non-zero.
+Each rank prints ``OUTCOME rank=<r> <ExceptionType>: <message>`` before exiting non-zero, and
+writes the same outcome to ``$RESULT_DIR/outcome<r>.txt`` (lines from several ranks can interleave
+in one pipe).
 """
 
+import os
 import sys
 import time
 
@@ -39,7 +42,11 @@ try:
             time.sleep(120)
         else:
             hvd.allreduce(torch.ones(2), name="skipped")
-    print(f"OUTCOME rank={r} no error", flush=True)
+    outcome = "no error"
 except Exception as exc:
-    print(f"OUTCOME rank={r} {type(exc).__name__}: {exc}", flush=True)
-    sys.exit(3)
+    outcome = f"{type(exc).__name__}: {exc}"
+if os.environ.get("RESULT_DIR"):
+    with open(os.path.join(os.environ["RESULT_DIR"], f"outcome{r}.txt"), "w") as handle:
+        handle.write(outcome)
+print(f"OUTCOME rank={r} {outcome}", flush=True)
+sys.exit(0 if outcome == "no error" else 3)
