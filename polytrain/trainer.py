@@ -93,7 +93,8 @@ class Trainer:
                 shapes = sorted(self.framework.parameter_shapes().items())
                 self._check_ranks_agree({"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
             self.progress.line(
-                f"polytrain: {spec.framework}/{self.backend.name} on {world.size} process(es) "
+                f"polytrain: {spec.framework}/{getattr(self.backend, 'label', self.backend.name)} on {world.size} "
+                f"process(es) "
                 f"(launcher: {world.launcher}); {len(data.x_train)} training samples, "
                 f"{len(data.x_val)} validation samples")
             self.global_batch = global_batch_size(spec.data, world.size, spec.loop.grad_accum_steps)

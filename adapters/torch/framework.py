@@ -103,7 +103,7 @@ class TorchFramework:
             if self.world.rank == 0:
                 print(f"polytrain: fp16 gradient overflow in update {self.updates} of this run: skipped "
                       f"({self.skipped_steps} so far), loss scale now {self.loss_scale()}", file=sys.stderr, flush=True)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none (torch 2 default; Horovod 0.28 takes no argument)
         return norm
 
     def loss_scale(self) -> float | None:
@@ -145,7 +145,7 @@ class TorchFramework:
         self.backend.load_full_optimizer_state(self.model, self.optimizer, _tensors(state))
 
     def discard_gradients(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()  # set_to_none (torch 2 default; Horovod 0.28 takes no argument)
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsharded) shape of every parameter, by portable name; no communication."""

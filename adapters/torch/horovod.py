@@ -1,0 +1,112 @@
+"""``horovod`` for PyTorch: the Trainer's model trained through the Horovod API.
+
+The backend talks to ``polytrain.horovod.torch``, which is the real Horovod under
+horovodrun and the MPI launchers (when it is installed) and polytrain's implementation
+on torch.distributed everywhere else — so ``backend: horovod`` runs under every
+launcher, and on real Horovod wherever real Horovod can form its job.
+
+- ``wrap`` broadcasts rank 0's parameters, buffers and optimizer state and wraps the
+  optimizer in ``hvd.DistributedOptimizer`` with ``backward_passes_per_step`` equal to
+  ``loop.grad_accum_steps``: gradients are allreduced (asynchronously, during the last
+  micro-step's backward) once per optimizer step.
+- After that backward the backend calls ``synchronize()``, so the Trainer's clipping,
+  fp16 unscaling and NaN checks see averaged gradients; the update then runs under
+  ``skip_synchronize()``, Horovod's documented pattern for gradient clipping.
+- ``horovod.compression: fp16`` sends gradients as float16 (``hvd.Compression.fp16``).
+- The Trainer's own collectives (metrics, start-up check) are ``hvd.allreduce``,
+  ``hvd.broadcast_object``, ``hvd.allgather_object`` and ``hvd.barrier``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.errors import BackendUnavailableError
+
+
+class HorovodBackend(TorchBackend):
+    name = "horovod"
+
+    def setup(self) -> None:
+        import polytrain.horovod.torch as hvd
+
+        self.hvd = hvd
+        self.impl = hvd.IMPL
+        if self.impl != "horovod":
+            # polytrain's implementation joins a process group that already exists: start it here,
+            # with the spec's collective timeout.
+            super().setup()
+        hvd.init()
+        if (hvd.rank(), hvd.size()) != (self.world.rank, self.world.size):
+            raise BackendUnavailableError(
+                f"backend: 'horovod' sees rank {hvd.rank()} of {hvd.size()}, but the launcher "
+                f"({self.world.launcher}) says rank {self.world.rank} of {self.world.size}")
+        self._optimizer: Any = None
+        self._skip_sync = False
+
+    def teardown(self) -> None:
+        self.hvd.shutdown()
+        super().teardown()
+
+    @property
+    def label(self) -> str:
+        """``horovod`` plus which implementation runs it (real Horovod or polytrain's)."""
+        return f"horovod ({'Horovod ' if self.impl == 'horovod' else 'polytrain '}implementation)"
+
+    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        hvd = self.hvd
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        compression = hvd.Compression.fp16 if self.spec.horovod.compression == "fp16" else hvd.Compression.none
+        self._optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression,
+            backward_passes_per_step=self.spec.loop.grad_accum_steps, op=hvd.Average)
+        return model, self._optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        # The DistributedOptimizer counts backward passes itself; this only tells `backward`
+        # that this micro-step is not the last one of the step.
+        self._skip_sync, previous = True, self._skip_sync
+        try:
+            yield
+        finally:
+            self._skip_sync = previous
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._skip_sync:
+            self._optimizer.synchronize()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        with self._optimizer.skip_synchronize():
+            optimizer.step()
+        return None
+
+    def scaled_optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
+        with self._optimizer.skip_synchronize():
+            return super().scaled_optimizer_step(optimizer, scaler)
+
+    # ---------------------------------------------------------------- collectives for the Trainer
+    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        hvd = self.hvd
+        reduce_op = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op]
+        tensor = torch.as_tensor(np.asarray(values, dtype=np.float64))
+        return hvd.allreduce(tensor, op=reduce_op, name=f"polytrain.trainer.{op}").numpy()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=src) if self.world.size > 1 else obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return list(self.hvd.allgather_object(obj)) if self.world.size > 1 else [obj]
+
+    def barrier(self) -> None:
+        if self.world.size > 1:
+            self.hvd.barrier()
