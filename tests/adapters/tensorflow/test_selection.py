@@ -19,6 +19,7 @@ from polytrain.adapters.tensorflow.multiworker import (  # noqa: E402
     worker_addresses,
 )
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError, SpecError  # noqa: E402
+from polytrain.horovod.common import _import_error  # noqa: E402
 from polytrain.world import World  # noqa: E402
 
 
@@ -66,6 +67,9 @@ def test_users_tf_config_is_checked_against_the_world() -> None:
         tf_config_from_env({"TF_CONFIG": "{not json"}, world)
 
 
+HOROVOD_TF = _import_error("horovod.tensorflow") is None
+
+
 def tf_spec(**raw: object) -> spec_mod.TrainSpec:
     return spec_mod.from_dict({"framework": "tensorflow", **raw})
 
@@ -75,10 +79,10 @@ def tf_spec(**raw: object) -> spec_mod.TrainSpec:
     ("openmpi", 2, "mpi"),
     ("mpich", 2, "mpi"),
     ("slurm", 4, "mpi"),
-    ("horovodrun-mpi", 2, "mpi"),
+    ("horovodrun-mpi", 2, "horovod" if HOROVOD_TF else "mpi"),
     ("polytrain-local", 2, "tf-multiworker"),
     ("torchrun", 2, "tf-multiworker"),
-    ("horovodrun-gloo", 2, "tf-multiworker"),
+    ("horovodrun-gloo", 2, "horovod" if HOROVOD_TF else "tf-multiworker"),
 ])
 def test_auto_backend_for_tensorflow(launcher: str, size: int, expected: str) -> None:
     world = World(rank=0, size=size, local_size=size, master_port=1, launcher=launcher)
@@ -86,9 +90,17 @@ def test_auto_backend_for_tensorflow(launcher: str, size: int, expected: str) ->
 
 
 def test_tensorflow_backends_are_registered_and_torch_only_ones_refused() -> None:
-    assert set(registry.backends_for("tensorflow")) >= {"local", "tf-multiworker", "mpi"}
+    assert set(registry.backends_for("tensorflow")) >= {"local", "tf-multiworker", "mpi", "horovod"}
     assert "mpi" in registry.backends_for("torch")
     with pytest.raises(SpecError, match="backend: 'ddp' is not available for framework 'tensorflow'"):
         tf_spec(backend="ddp")
     with pytest.raises(SpecError, match="precision: 'fp16' is not supported on backend 'mpi'"):
         tf_spec(backend="mpi", precision="fp16")
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "polytrain-local", "slurm"])
+def test_horovod_backend_names_the_launcher_it_cannot_run_under(launcher: str) -> None:
+    from polytrain.adapters.tensorflow.horovod import horovod_unusable_reason
+
+    reason = horovod_unusable_reason(launcher)
+    assert reason is not None and f"not {launcher}" in reason and "'mpi'" in reason
