@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from polytrain.errors import TrainingFailure, UserError
 
@@ -122,6 +123,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def abort_mpi_job(code: int, show_traceback: bool = False) -> None:
+    """End the whole MPI job when this process started MPI and fails: its peers may be waiting in a
+    collective it will never join, and MPI_Finalize at exit would wait for them (until the timeout).
+
+    Does nothing when MPI was never initialised here (mpi4py not imported) or the job has one process.
+    """
+    mpi_module = sys.modules.get("mpi4py.MPI")
+    if mpi_module is None:
+        return
+    MPI: Any = mpi_module
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    if show_traceback:
+        import traceback
+
+        traceback.print_exc()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Abort(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -131,8 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, TrainingFailure) as exc:
         if args.debug:
             raise
-        print(f"polytrain: error: {exc}", file=sys.stderr)
+        print(f"polytrain: error: {exc}", file=sys.stderr, flush=True)
+        abort_mpi_job(exc.exit_code)
         return exc.exit_code
+    except Exception:
+        abort_mpi_job(1, show_traceback=True)
+        raise
     except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`
         return 0
     except KeyboardInterrupt:

@@ -40,9 +40,22 @@ PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer",
                         "Socket Timeout", "connection was lost")
 
 
+#: Exception types that mean a collective lost its peers: torch.distributed's, TensorFlow's collective
+#: errors (a gRPC peer gone, a collective timed out or aborted) and Horovod's.
+PEER_FAILURE_TYPES = ("DistBackendError", "UnavailableError", "DeadlineExceededError", "AbortedError",
+                      "HorovodInternalError")
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     text = str(exc)
-    return any(marker in text for marker in PEER_FAILURE_MARKERS) or type(exc).__name__ == "DistBackendError"
+    return any(marker in text for marker in PEER_FAILURE_MARKERS) or type(exc).__name__ in PEER_FAILURE_TYPES
+
+
+def peer_failure_detail(exc: BaseException) -> str:
+    """The most telling line of a collective's error (TensorFlow's first line is only "Graph execution error:")."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    telling = [line for line in lines if any(marker in line for marker in PEER_FAILURE_MARKERS)]
+    return (telling or lines or [type(exc).__name__])[0][:200]
 
 
 @dataclass
@@ -102,10 +115,10 @@ class Trainer:
             start = self._restore() if self._resume_target() else Position()
             try:
                 result = self._loop(data, start)
-            except RuntimeError as exc:
+            except Exception as exc:
                 if not is_peer_failure(exc):
                     raise
-                detail = str(exc).strip().splitlines()[0][:200]
+                detail = peer_failure_detail(exc)
                 raise TrainingFailure(
                     f"rank {world.rank}: a collective failed during {self.activity}: another rank died, stalled "
                     f"or lost its connection ({detail})") from exc

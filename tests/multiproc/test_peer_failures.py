@@ -1,0 +1,70 @@
+"""A rank that dies or fails alone: the others end promptly, with one line that says what happened.
+
+- A rank SIGKILLed mid-step while its peer waits in a collective (ranks started by hand, with
+  torchrun-style variables, so no launcher kills the survivor for us): the survivor exits 1 with
+  ``polytrain: error: rank 0: a collective failed during ...`` as its last line — on PyTorch/DDP
+  (gloo) and on TensorFlow/tf-multiworker (gRPC collectives).
+- Under mpirun a rank that raises while the other waits in ``MPI_Allreduce``: polytrain aborts the
+  MPI job instead of leaving the peer waiting forever.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procs import BIN, free_port, loopback_env, run
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+HERE = Path(__file__).resolve().parent
+SURVIVOR_LINE = ("polytrain: error: rank 0: a collective failed during forward/backward of step 7: another rank "
+                 "died, stalled or lost its connection (")
+
+CASES = {
+    "torch-ddp": ["framework=torch", "backend=ddp", "model.name=faulty_model:make"],
+    "tensorflow-tf-multiworker": ["framework=tensorflow", "backend=tf-multiworker", "model.name=faulty_keras:make"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_survivor_of_a_killed_peer_fails_in_one_line(tmp_path: Path, case: str) -> None:
+    if case.startswith("tensorflow"):
+        pytest.importorskip("tensorflow")
+    sets = [*CASES[case], "reliability.collective_timeout_s=30", "loop.epochs=1"]
+    commands = []
+    for rank in (0, 1):
+        args = [sys.executable, "-m", "polytrain.cli", "train", "--quiet",
+                *[a for s in [*sets, f"output={tmp_path / str(rank)}"] for a in ("--set", s)]]
+        commands.append(f"RANK={rank} LOCAL_RANK={rank} {shlex.join(args)} 2>{tmp_path / f'rank{rank}.err'}")
+    env = loopback_env(PYTHONPATH=str(HERE), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()),
+                       FAULT_RANK="1", FAULT_AT="7", FAULT_MODE="kill")
+    started = time.monotonic()
+    run(["sh", "-c", f"{commands[0]} & {commands[1]} & wait"], env=env, timeout=240)
+    elapsed = time.monotonic() - started
+    survivor = (tmp_path / "rank0.err").read_text()
+    last = survivor.strip().splitlines()[-1]
+    assert last.startswith(SURVIVOR_LINE), survivor[-3000:]
+    assert "Traceback" not in survivor
+    assert elapsed < 150  # ended by the lost connection (or the 30 s collective timeout), not a hang
+
+
+def test_a_rank_that_raises_under_mpirun_ends_the_job(tmp_path: Path) -> None:
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("mpi4py")
+    sets = ["framework=tensorflow", "backend=mpi", "model.name=faulty_keras:make", "loop.epochs=1",
+            f"output={tmp_path}"]
+    cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "FAULT_RANK", "-x", "FAULT_AT", "-x",
+           "FAULT_MODE", "-x", "PYTHONPATH", sys.executable, "-m", "polytrain.cli", "train", "--quiet",
+           *[a for s in sets for a in ("--set", s)]]
+    started = time.monotonic()
+    result = run(cmd, env=loopback_env(PYTHONPATH=str(HERE), FAULT_RANK="1", FAULT_AT="7", FAULT_MODE="raise"),
+                 timeout=240)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert "RuntimeError: injected failure on rank 1" in result.stderr, result.stderr[-3000:]
+    assert "MPI_ABORT was invoked on rank 1" in result.stdout + result.stderr
+    assert elapsed < 150  # rank 0 sat in MPI_Allreduce, which has no timeout: only the abort ended it
