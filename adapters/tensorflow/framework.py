@@ -8,6 +8,11 @@ clips by global norm (PyTorch's ``clip_grad_norm_`` rule), applies PyTorch's upd
 (see ``optimizers``) with the step's learning rate and zeroes the accumulators. ``bf16``
 computes in bfloat16 with float32 variables (Keras' ``mixed_bfloat16`` policy); losses
 are always float32.
+
+Tasks as in the PyTorch adapter: classification (int labels, summed cross-entropy),
+regression (float targets, summed squared error) and next-token prediction (int token
+ids in and out, logits (batch, length, vocab); a sample's loss is the mean cross-entropy
+over its tokens, summed over samples; evaluation sums and counts per token).
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ import tensorflow as tf
 from keras.src.random.seed_generator import global_seed_generator  # Keras exports no public accessor
 
 from polytrain.adapters.tensorflow.backend import TFBackend
-from polytrain.adapters.tensorflow.models import PortableVariable, build_model, from_portable, to_portable
+from polytrain.adapters.tensorflow.models import (
+    PortableVariable,
+    build_model,
+    from_portable,
+    input_dtype,
+    to_portable,
+)
 from polytrain.adapters.tensorflow.optimizers import make_optimizer
 from polytrain.errors import SpecError, UserError
 from polytrain.protocols import DatasetInfo
@@ -42,11 +53,12 @@ class TensorFlowFramework:
         self.backend = backend
 
     def build(self, info: DatasetInfo) -> None:
-        if info.task not in ("classification", "regression"):
+        if info.task not in ("classification", "regression", "next_token"):
             raise SpecError(f"data.name: {self.spec.data.name!r} is a {info.task} task, which framework 'tensorflow' "
-                            "does not train yet (allowed: classification or regression data)")
+                            "does not train (allowed: classification, regression or next_token data)")
         self.info = info
         self.regression = info.task == "regression"
+        self.sequence = info.task == "next_token"  # logits (batch, length, vocab); loss per sample = token mean
         keras.utils.set_random_seed(self.spec.seed)  # a user's factory draws alike on every rank
         with tf.device(self.backend.device):
             self.model, self.entries = build_model(self.spec.model.name, self.spec.model.params, info,
@@ -57,8 +69,11 @@ class TensorFlowFramework:
             self.optimizer = make_optimizer(self.spec.optimizer, self.trainable)
         self.backend.broadcast_variables([v for v in self.model.variables if v.dtype in ("float32", "float64")])
         keras.utils.set_random_seed(self.spec.seed + self.world.rank)  # per-rank randomness from here on
-        x_spec = tf.TensorSpec((None, *info.input_shape), tf.float32)
-        y_spec = tf.TensorSpec((None,), tf.float32 if self.regression else tf.int64)
+        global_seed_generator()  # dropout draws from it: create its state now, not inside a compiled step
+        self.x_dtype = input_dtype(info)
+        self.y_dtype = np.float32 if self.regression else np.int64
+        x_spec = tf.TensorSpec((None, *info.input_shape), tf.as_dtype(self.x_dtype))
+        y_spec = tf.TensorSpec((None, *info.input_shape) if self.sequence else (None,), tf.as_dtype(self.y_dtype))
         scalar = tf.TensorSpec((), tf.float32)
         self._micro_fn = tf.function(functools.partial(self._micro, average=False),
                                      input_signature=[x_spec, y_spec, scalar])
@@ -75,6 +90,9 @@ class TensorFlowFramework:
         out = tf.cast(out, tf.float32)
         if self.regression:
             return tf.reduce_sum(tf.square(tf.reshape(out, [-1]) - y))
+        if self.sequence:  # (batch, length) per-token losses → the mean per sample, summed
+            per_token = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out)
+            return tf.reduce_sum(tf.reduce_mean(per_token, axis=1))
         return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out))
 
     def _forward_backward(self, x: tf.Tensor, y: tf.Tensor, loss_scale: tf.Tensor) -> tf.Tensor:
@@ -116,6 +134,10 @@ class TensorFlowFramework:
 
     def _eval(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         out = self.model(x, training=False)
+        if self.sequence:  # per-token sums (count: every token), as the PyTorch adapter evaluates
+            logits = tf.cast(out, tf.float32)
+            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+            return loss, tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, axis=-1), y), tf.float32))
         loss = self._loss_sum(out, y)
         if self.regression:
             return loss, tf.constant(0.0)
@@ -124,7 +146,7 @@ class TensorFlowFramework:
 
     # ---------------------------------------------------------------- the Framework protocol
     def _inputs(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(x, np.float32), np.asarray(y, np.float32 if self.regression else np.int64)
+        return np.asarray(x, self.x_dtype), np.asarray(y, self.y_dtype)
 
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
         fused = sync and self.backend.averages_in_graph
@@ -146,7 +168,7 @@ class TensorFlowFramework:
             return 0.0, 0.0, 0
         with tf.device(self.backend.device):
             loss, correct = self._eval_fn(*self._inputs(x, y))
-        return float(loss), float(correct), len(y)
+        return float(loss), float(correct), int(np.size(y)) if self.sequence else len(y)
 
     def export_state(self) -> dict[str, np.ndarray]:
         return {e.name: to_portable(np.asarray(e.variable.numpy()), e.layout) for e in self.entries}
@@ -165,7 +187,9 @@ class TensorFlowFramework:
             e.variable.assign(value.astype(e.variable.dtype))
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {e.name: to_portable(np.empty(e.variable.shape, np.uint8), e.layout).shape for e in self.entries}
+        """Like PyTorch's ``named_parameters()``: a variable under two names (a tied head) counts once, first name."""
+        return {e.name: to_portable(np.empty(e.variable.shape, np.uint8), e.layout).shape
+                for e in self._unique_entries()}
 
     def grads_finite(self) -> bool:
         """Checked on the averaged gradients: a NaN/Inf on any rank reaches every rank, so all answer alike."""
@@ -174,8 +198,18 @@ class TensorFlowFramework:
     def discard_gradients(self) -> None:
         self._zero_fn()
 
+    def _unique_entries(self) -> list[PortableVariable]:
+        """One entry per variable, under its first portable name (``tok_emb.weight``, not a tied ``head.weight``)."""
+        seen: set[int] = set()
+        out = []
+        for e in self.entries:
+            if id(e.variable) not in seen:
+                seen.add(id(e.variable))
+                out.append(e)
+        return out
+
     def _trainable_entries(self) -> list[PortableVariable]:
-        by_id = {id(e.variable): e for e in self.entries}
+        by_id = {id(e.variable): e for e in self._unique_entries()}
         return [by_id[id(v)] for v in self.trainable]
 
     def export_optimizer_state(self) -> dict[str, np.ndarray]:

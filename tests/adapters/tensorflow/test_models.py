@@ -115,6 +115,8 @@ def test_users_keras_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         build_model("my_keras_models:not_a_model", {}, DIGITS, seed=0, precision="fp32")
 
 
-def test_models_only_pytorch_has_are_refused_by_name() -> None:
-    with pytest.raises(SpecError, match="model.name: 'transformer' is not available with framework 'tensorflow'"):
+def test_transformer_needs_token_data_and_unknown_models_are_refused_by_name() -> None:
+    with pytest.raises(SpecError, match=r"model.name: 'transformer' needs token data \(data.name 'tokens'\)"):
         build_model("transformer", {}, DIGITS, seed=0, precision="fp32")
+    with pytest.raises(SpecError, match="model.name: unknown model 'resnet'"):
+        build_model("resnet", {}, DIGITS, seed=0, precision="fp32")
