@@ -8,7 +8,8 @@ collectives, the model and a Keras SGD optimizer created under ``strategy.scope(
 ``tf.function`` that runs ``strategy.run`` of a GradientTape step on each worker's half of
 the global batch. polytrain runs the same model, data, batch and optimizer from a spec:
 TensorFlow on ``local`` (1 process), ``tf-multiworker`` (``polytrain launch --launcher
-local -np 2``) and ``mpi`` (``mpirun -np 2``); PyTorch on ``local``, ``ddp`` and ``mpi``.
+local -np 2``), ``mpi`` (``mpirun -np 2``) and ``horovod`` (``horovodrun -np 2 --gloo``, when
+Horovod is installed); PyTorch on ``local``, ``ddp``, ``mpi`` and ``horovod``.
 Throughput is training samples per second over all workers, from the Trainer's
 per-window measurements (the first window, which includes tracing, is left out); the
 anchor is timed the same way after warm-up steps. Every process runs 1 thread. Each
@@ -135,6 +136,9 @@ def run_polytrain(framework: str, backend: str, launcher: str, steps: int, tmp: 
     elif launcher == "local":
         cmd = [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", "2", str(spec_file),
                "--quiet"]
+    elif launcher == "horovodrun":
+        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--network-interface", "lo",
+               sys.executable, *train]
     else:
         cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", sys.executable, *train]
     subprocess.run(cmd, env=env(), cwd=REPO, check=True, timeout=1200, stdout=subprocess.DEVNULL)
@@ -157,6 +161,8 @@ def main() -> None:
     runs = [("tensorflow", "local", "single"), ("tensorflow", "tf-multiworker", "local"),
             ("tensorflow", "mpi", "mpirun"), ("torch", "local", "single"), ("torch", "ddp", "local"),
             ("torch", "mpi", "mpirun")]
+    if (BIN / "horovodrun").exists():
+        runs += [("tensorflow", "horovod", "horovodrun"), ("torch", "horovod", "horovodrun")]
     with tempfile.TemporaryDirectory(prefix="polytrain-bench-") as tmp:
         anchor, speeds = 0.0, {(fw, be): 0.0 for fw, be, _ in runs}
         for _ in range(args.repeat):  # interleaved, so a busy minute does not hit one configuration only
@@ -170,7 +176,10 @@ def main() -> None:
     for (fw, be), speed in speeds.items():
         print(f"{fw + '/' + be:<34} {speed:>10.0f} {speed / anchor:>18.2f}")
     print("\nTensorFlow / PyTorch on the same spec:")
-    for tf_backend, torch_backend in (("local", "local"), ("tf-multiworker", "ddp"), ("mpi", "mpi")):
+    pairs = [("local", "local"), ("tf-multiworker", "ddp"), ("mpi", "mpi"), ("horovod", "horovod")]
+    for tf_backend, torch_backend in pairs:
+        if ("tensorflow", tf_backend) not in speeds:
+            continue
         ratio = speeds["tensorflow", tf_backend] / speeds["torch", torch_backend]
         print(f"  tensorflow/{tf_backend} vs torch/{torch_backend}: {ratio:.2f}")
 

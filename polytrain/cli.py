@@ -26,7 +26,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from polytrain.trainer import Trainer
 
     spec = spec_mod.load(args.spec, args.set or ())
-    Trainer(spec, show_progress=not args.quiet, resume=args.resume).fit()
+    Trainer(spec, show_progress=not args.quiet, resume=args.resume, timeline=args.timeline).fit()
     return 0
 
 
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="auto", metavar="auto|PATH",
                        help="continue from a checkpoint: 'auto' (the default when given without a value) = the "
                             "newest complete one in checkpoint.dir; or a checkpoint directory")
+    train.add_argument("--timeline", metavar="FILE",
+                       help="write a Chrome-trace timeline of every rank (compute, collectives, optimizer, data, "
+                            "checkpoints) to FILE; open it in https://ui.perfetto.dev")
     train.set_defaults(func=_cmd_train)
 
     launch = sub.add_parser("launch", help="build and run the launcher command line for N processes")

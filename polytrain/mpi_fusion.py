@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
+from polytrain.timeline import COLLECTIVES, NULL
 
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 FUSION_ENV = "POLYTRAIN_MPI_FUSION_BYTES"
@@ -84,6 +85,15 @@ class MpiCollectives:
                 f"says rank {expected_rank} of {expected_size}; start the job with mpirun, srun --mpi or horovodrun")
         self.fusion_bytes = fusion_threshold() if fusion_bytes is None else fusion_bytes
         self._buffers: dict[np.dtype, np.ndarray] = {}
+        self.timeline: Any = NULL  # records each bucket's allreduce when a Trainer asks for a timeline
+
+    def _allreduce_bucket(self, index: int, buffer: np.ndarray) -> None:
+        """Sum ``buffer`` over all ranks in place, then divide by the number of ranks."""
+        started = self.timeline.now()
+        self.comm.Allreduce(self.MPI.IN_PLACE, buffer, op=self.MPI.SUM)
+        self.timeline.complete(f"gradient bucket {index}", "collective", started, self.timeline.now(),
+                               track=COLLECTIVES, op="allreduce", bytes=buffer.nbytes)
+        buffer /= self.size
 
     def _buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._buffers.get(dtype)
@@ -104,8 +114,7 @@ class MpiCollectives:
                 arr = arrays[bucket[0]]
                 if not (arr.flags.c_contiguous and arr.flags.writeable):
                     raise ValueError("average_: arrays must be C-contiguous and writeable")
-                self.comm.Allreduce(self.MPI.IN_PLACE, arr, op=self.MPI.SUM)
-                arr /= self.size
+                self._allreduce_bucket(calls, arr)
             else:
                 parts = [arrays[i] for i in bucket]
                 flat = self._buffer(parts[0].dtype, sum(p.size for p in parts))
@@ -113,8 +122,7 @@ class MpiCollectives:
                 for p in parts:
                     flat[offset:offset + p.size] = p.reshape(-1)
                     offset += p.size
-                self.comm.Allreduce(self.MPI.IN_PLACE, flat, op=self.MPI.SUM)
-                flat /= self.size
+                self._allreduce_bucket(calls, flat)
                 offset = 0
                 for p in parts:
                     p.reshape(-1)[:] = flat[offset:offset + p.size]
@@ -134,10 +142,8 @@ class MpiCollectives:
             raise ValueError("average_flat_: flat must be C-contiguous, writeable and hold exactly sum(sizes) elements")
         parts = [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         buckets = plan_buckets(parts, self.fusion_bytes)
-        for bucket in buckets:
-            region = flat[offsets[bucket[0]]:offsets[bucket[-1] + 1]]
-            self.comm.Allreduce(self.MPI.IN_PLACE, region, op=self.MPI.SUM)
-            region /= self.size
+        for index, bucket in enumerate(buckets):
+            self._allreduce_bucket(index, flat[offsets[bucket[0]]:offsets[bucket[-1] + 1]])
         return len(buckets)
 
     def broadcast_(self, arrays: Sequence[np.ndarray], root: int = 0) -> None:

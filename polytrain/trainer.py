@@ -28,6 +28,7 @@ from polytrain.errors import TrainingFailure
 from polytrain.metrics import MetricsLog, Progress
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
+from polytrain.timeline import NULL, Timeline, write_chrome_trace
 from polytrain.world import World, detect_world
 
 # Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
@@ -80,17 +81,21 @@ class Position:
 
 class Trainer:
     def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
-                 resume: str | None = None) -> None:
+                 resume: str | None = None, timeline: str | None = None) -> None:
+        """``timeline``: a file to write a Chrome-trace timeline of every rank into (see polytrain.timeline)."""
         self.spec = spec
         self.world = world if world is not None else detect_world()
         self.show_progress = show_progress
         self.resume = resume
+        self.timeline_path = timeline
         self._last_saved: int | None = None
         self.activity = "start-up"
 
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
+        self.timeline = Timeline(world.rank) if self.timeline_path else NULL
         self.backend = registry.create_backend(spec, world)
+        self.backend.timeline = self.timeline
         self.backend.setup()
         is_main = world.rank == 0
         self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
@@ -113,6 +118,9 @@ class Trainer:
             self.global_batch = global_batch_size(spec.data, world.size, spec.loop.grad_accum_steps)
             self.per_epoch = steps_per_epoch(len(data.x_train), self.global_batch)
             start = self._restore() if self._resume_target() else Position()
+            if self.timeline.enabled:
+                self.backend.barrier()  # every rank's time zero is the same moment
+                self.timeline.reset_origin()
             try:
                 result = self._loop(data, start)
             except Exception as exc:
@@ -123,6 +131,7 @@ class Trainer:
                     f"rank {world.rank}: a collective failed during {self.activity}: another rank died, stalled "
                     f"or lost its connection ({detail})") from exc
             self._save_model(result)
+            self._write_timeline()
             return result
         finally:
             self.log.close()
@@ -131,6 +140,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def _loop(self, data: Dataset, start: Position) -> TrainResult:
         spec, world, fw, loop = self.spec, self.world, self.framework, self.spec.loop
+        timeline = self.timeline
         per_epoch = self.per_epoch
         total = per_epoch * loop.epochs if loop.max_steps is None else min(loop.max_steps, per_epoch * loop.epochs)
         every_steps, every_epochs = spec.checkpoint.every_n_steps, spec.checkpoint.every_n_epochs
@@ -157,15 +167,19 @@ class Trainer:
                 scale = world.size / plan.global_count
                 last = len(plan.micro_batches) - 1
                 for m, idx in enumerate(plan.micro_batches):
-                    loss_sum = fw.train_micro_step(data.x_train[idx], data.y_train[idx], scale, sync=m == last)
+                    with timeline.span("data", "data", step=step + 1):
+                        x, y = data.x_train[idx], data.y_train[idx]
+                    with timeline.span("micro-step", "compute", step=step + 1, micro=m, samples=len(idx)):
+                        loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
                     window += (loss_sum, len(idx))
                 lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=world.size,
                            steps_per_epoch=per_epoch, total_steps=total)
                 self.activity = f"the optimizer step of step {step + 1}"
-                if self.check_finite and not fw.grads_finite():
-                    self._nonfinite(step + 1)
-                else:
-                    fw.optimizer_step(lr, loop.grad_clip_norm)
+                with timeline.span("optimizer step", "optimizer", step=step + 1):
+                    if self.check_finite and not fw.grads_finite():
+                        self._nonfinite(step + 1)
+                    else:
+                        fw.optimizer_step(lr, loop.grad_clip_norm)
                 step += 1
                 if verify_every and step % verify_every == 0:
                     self._verify_replicas(step)
@@ -224,7 +238,8 @@ class Trainer:
                                   f"rank 0's (replicas drifted apart; reliability.verify_every_n_steps)")
 
     def _end_epoch(self, data: Dataset, result: TrainResult, epoch: int, step: int, complete: bool) -> None:
-        val_loss, val_acc = self._evaluate(data)
+        with self.timeline.span("evaluation", "evaluation", epoch=epoch):
+            val_loss, val_acc = self._evaluate(data)
         result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
         result.val_loss, result.val_accuracy = val_loss, val_acc
         record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
@@ -252,6 +267,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, pos: Position) -> None:
+        with self.timeline.span("checkpoint", "checkpoint", step=pos.step):
+            self._write_checkpoint(pos)
+
+    def _write_checkpoint(self, pos: Position) -> None:
         """Every rank takes part (state gathering is collective); rank 0 writes."""
         self.activity = f"the checkpoint at step {pos.step}"
         model = self.framework.export_state()
@@ -268,6 +287,17 @@ class Trainer:
         path = ckpt.save_checkpoint(self.spec.checkpoint_dir, pos.step, {"model": model, "optimizer": optimizer},
                                     manifest, keep_last=self.spec.checkpoint.keep_last)
         self.log.write("checkpoint", step=pos.step, path=str(path))
+
+    def _write_timeline(self) -> None:
+        """Gather every rank's timeline events; rank 0 writes them as one Chrome trace."""
+        if not self.timeline.enabled:
+            return
+        everyone = self.backend.all_gather_object(self.timeline.events)
+        if self.world.rank == 0:
+            meta = {"framework": self.spec.framework, "backend": self.backend.name, "world_size": self.world.size,
+                    "launcher": self.world.launcher}
+            path = write_chrome_trace(self.timeline_path, dict(enumerate(everyone)), metadata=meta)
+            self.progress.line(f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
 
     def _resume_target(self) -> str | None:
         """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.spec import TrainSpec
+from polytrain.timeline import NULL
 from polytrain.world import World
 
 
@@ -34,6 +35,8 @@ def choose_device(num_gpus: int, local_rank: int) -> tuple[int | None, str]:
 
 class TFBackend:
     name = "base"
+    #: where the backend records its collectives (the Trainer sets it before ``setup``)
+    timeline: Any = NULL
     #: Whether `average_in_graph` works inside a compiled step; the adapter then runs it as part of
     #: the last micro-step (one call fewer per step) instead of calling `average_gradients`.
     averages_in_graph = False

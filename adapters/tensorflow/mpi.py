@@ -24,6 +24,7 @@ class MpiBackend(TrainerCollectivesOverMpi, TFBackend):
 
     def setup(self) -> None:
         self.mpi = MpiCollectives(self.world.rank, self.world.size, self.world.launcher)
+        self.mpi.timeline = self.timeline
         super().setup()
         self._flat: FlatGradients | None = None
         self._flat_source: Sequence[tf.Variable] | None = None

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polytrain.spec import TrainSpec
+from polytrain.timeline import NULL
 from polytrain.world import World
 
 REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
@@ -64,6 +65,8 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
 
 class TorchBackend:
     name = "base"
+    #: where the backend records its collectives (the Trainer sets it before ``setup``)
+    timeline: Any = NULL
 
     def __init__(self, spec: TrainSpec, world: World) -> None:
         self.spec = spec

@@ -6,10 +6,13 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.timeline import COLLECTIVES
 
 
 class DDPBackend(TorchBackend):
@@ -18,7 +21,24 @@ class DDPBackend(TorchBackend):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here, so all ranks start equal.
-        return DistributedDataParallel(model, device_ids=device_ids), optimizer
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        if self.timeline.enabled:
+            # a lambda: DDP checks the hook's annotations against classes, and ours are strings here
+            ddp.register_comm_hook(None, lambda state, bucket: self._timed_allreduce(state, bucket))
+        return ddp, optimizer
+
+    def _timed_allreduce(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's own allreduce of one gradient bucket, recorded on the timeline (start, end, bytes)."""
+        timeline, started = self.timeline, self.timeline.now()
+        buffer = bucket.buffer()
+        nbytes, index = buffer.numel() * buffer.element_size(), bucket.index()
+
+        def done(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            timeline.complete(f"gradient bucket {index}", "collective", started, timeline.now(), track=COLLECTIVES,
+                              op="allreduce", bytes=nbytes)
+            return future.value()
+
+        return default_hooks.allreduce_hook(state, bucket).then(done)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

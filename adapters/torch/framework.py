@@ -79,12 +79,15 @@ class TorchFramework:
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
         self.model.train()
         xb, yb = self._tensors(x, y)
+        timeline = self.backend.timeline
         with contextlib.nullcontext() if sync else self.backend.no_sync(self.model):
-            with self._autocast():
-                out = self.model(xb)
-            loss = self._loss_sum(out, yb)
-            scaled = loss * loss_scale
-            self.backend.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
+            with timeline.span("forward", "compute"):
+                with self._autocast():
+                    out = self.model(xb)
+                loss = self._loss_sum(out, yb)
+                scaled = loss * loss_scale
+            with timeline.span("backward", "compute", sync=sync):
+                self.backend.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
         return float(loss.detach())
 
     def optimizer_step(self, lr: float, clip_norm: float | None) -> float | None:

@@ -50,6 +50,10 @@ class HorovodBackend(TorchBackend):
                 f"({self.world.launcher}) says rank {self.world.rank} of {self.world.size}")
         self._optimizer: Any = None
         self._skip_sync = False
+        if self.impl != "horovod" and self.timeline.enabled:  # the shim records each gradient bucket
+            from polytrain.horovod.torch import basics
+
+            basics.runtime().timeline = self.timeline
 
     def teardown(self) -> None:
         self.hvd.shutdown()
@@ -83,7 +87,8 @@ class HorovodBackend(TorchBackend):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if not self._skip_sync:
-            self._optimizer.synchronize()
+            with self.timeline.span("synchronize gradients", "collective"):
+                self._optimizer.synchronize()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool | None:
         with self._optimizer.skip_synchronize():

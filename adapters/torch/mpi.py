@@ -31,6 +31,7 @@ class MpiBackend(TrainerCollectivesOverMpi, TorchBackend):
 
     def setup(self) -> None:
         self.mpi = MpiCollectives(self.world.rank, self.world.size, self.world.launcher)
+        self.mpi.timeline = self.timeline
         self._params: list[nn.Parameter] = []
         self._skip_sync = False
 

@@ -5,7 +5,9 @@ these names are Horovod's own; otherwise they are polytrain's implementation on
 torch.distributed (gloo, NCCL for CUDA tensors). ``IMPL`` tells which one is active.
 Differences of the shim, all documented where they live: ops must be submitted in the
 same order on every rank (a different order is a reported mismatch), Adasum is refused,
-process sets must be added/removed by every rank, and timelines are not recorded.
+process sets must be added/removed by every rank, and the timeline (HOROVOD_TIMELINE,
+``start_timeline``) records each op from submission to completion as a Chrome trace, one
+process track per rank, not Horovod's per-tensor negotiation phases.
 """
 
 from polytrain.horovod.common import use_real_horovod as _use_real_horovod

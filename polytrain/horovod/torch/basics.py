@@ -10,6 +10,7 @@ tensors when there is a GPU) and keeps its key-value store for stall reports and
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import sys
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from polytrain.horovod.common import (
     topology_from_records,
     topology_from_world,
 )
+from polytrain.timeline import NULL, Timeline, write_chrome_trace
 from polytrain.world import World, detect_world, ensure_master, free_port
 
 
@@ -64,6 +67,9 @@ class Runtime:
     next_process_set_id: int = 1
     #: a collective was abandoned (stall shutdown, mismatch): exit without joining gloo's threads
     broken: bool = False
+    #: where each op is recorded (HOROVOD_TIMELINE / start_timeline, or a Trainer's timeline)
+    timeline: Any = NULL
+    timeline_file: str | None = None
 
 
 _runtime: Runtime | None = None
@@ -180,6 +186,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     from polytrain.horovod.torch import process_sets as ps_module
 
     ps_module.setup_global(_runtime)
+    if settings.timeline:
+        start_timeline(settings.timeline)
     if process_sets is not None and not isinstance(process_sets, str):
         for process_set in process_sets:
             ps_module.add_process_set(process_set)
@@ -206,6 +214,8 @@ def shutdown() -> None:
     if state is None:
         return
     state.handles.clear()
+    if state.timeline_file and not state.broken:
+        _write_timeline(state)
     from polytrain.horovod.torch import process_sets as ps_module
 
     ps_module.reset(state)
@@ -308,9 +318,48 @@ def rocm_built() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    runtime()
-    raise ValueError("timelines are not recorded by polytrain's Horovod shim; use torch.profiler")
+    """Record every collective (and each DistributedOptimizer bucket) until `stop_timeline` or
+    ``hvd.shutdown()``, then write all ranks' records into ``file_path`` as one Chrome trace
+    (Horovod's ``HOROVOD_TIMELINE`` does this from ``hvd.init()``). ``mark_cycles`` has no meaning
+    here: the shim has no background cycle."""
+    state = runtime()
+    if state.timeline_file is not None:
+        return
+    state.timeline = Timeline(state.world.rank)
+    state.timeline_file = file_path
+    if state.world.size > 1:  # line the ranks' clocks up at a common moment
+        dist.barrier()
+    state.timeline.reset_origin()
 
 
 def stop_timeline() -> None:
-    runtime()
+    """Stop recording and write the timeline (collective: every rank must call it)."""
+    state = runtime()
+    if state.timeline_file is not None:
+        _write_timeline(state)
+
+
+def _write_timeline(state: Runtime) -> None:
+    """Each rank puts its events in the store; rank 0 collects them and writes the file.
+
+    Through the store rather than a collective: at shutdown the ranks need not be in step,
+    and a rank that is already gone only leaves its track out (after a 30 s wait).
+    """
+    events, path = state.timeline.events, state.timeline_file
+    state.timeline, state.timeline_file = NULL, None
+    key = f"timeline/{_init_count}"
+    try:
+        state.store.set(f"{key}/{state.world.rank}", json.dumps(events))
+        if state.world.rank != 0:
+            return
+        everyone = {0: events}
+        for rank in range(1, state.world.size):
+            try:
+                state.store.wait([f"{key}/{rank}"], timedelta(seconds=30))
+                everyone[rank] = json.loads(state.store.get(f"{key}/{rank}"))
+            except RuntimeError:
+                print(f"[polytrain.horovod] timeline: rank {rank} sent no events", file=sys.stderr)
+        write_chrome_trace(path, everyone, metadata={"source": "polytrain.horovod.torch",
+                                                     "world_size": state.world.size})
+    except RuntimeError as exc:  # the store went away with rank 0
+        print(f"[polytrain.horovod] timeline not written: {str(exc).splitlines()[0]}", file=sys.stderr)

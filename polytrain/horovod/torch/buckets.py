@@ -34,6 +34,7 @@ class Bucket:
     #: (work, sent tensor, compression ctx) once launched
     launched: tuple[Any, torch.Tensor, Any] | None = None
     slots: dict[int, int] = field(default_factory=dict)
+    launched_at: float = 0.0  # timeline clock, when the allreduce started
 
     def label(self) -> str:
         more = f" and {len(self.names) - 1} more" if len(self.names) > 1 else ""

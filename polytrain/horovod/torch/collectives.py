@@ -21,6 +21,7 @@ import torch.distributed as dist
 from polytrain.horovod.common import Adasum, Average, Max, Min, Product, Sum, reduce_op_name
 from polytrain.horovod.torch import basics, stall
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
+from polytrain.timeline import COLLECTIVES
 
 TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
@@ -36,6 +37,9 @@ class Pending:
     group: Any
     works: list[Any] = field(default_factory=list)
     finish: Callable[[], Any] = lambda: None
+    kind: str = ""
+    nbytes: int = 0
+    started: float = 0.0  # timeline clock, when the op was submitted (metadata exchange included)
 
     def done(self) -> bool:
         return all(w is None or w.is_completed() for w in self.works)
@@ -43,6 +47,10 @@ class Pending:
     def result(self) -> Any:
         for work in self.works:
             stall.wait(work, self.label, self.process_set_id, self.seq, self.group)
+        timeline = basics.runtime().timeline
+        if timeline.enabled:
+            timeline.complete(self.label, "collective", self.started, timeline.now(), track=COLLECTIVES,
+                              op=self.kind, bytes=self.nbytes, process_set=self.process_set_id)
         return self.finish()
 
 
@@ -112,6 +120,10 @@ def announce(kind: int, name: str | None, tensors: Sequence[torch.Tensor], proce
     seq = stall.next_seq(set_id)
     label = name or f"{stall.KIND_NAMES[kind]}.noname.{seq}"
     pending = Pending(label=label, process_set_id=set_id, seq=seq, group=group)
+    timeline = basics.runtime().timeline
+    if timeline.enabled:
+        pending.kind, pending.started = stall.KIND_NAMES[kind], timeline.now()
+        pending.nbytes = sum(t.numel() * t.element_size() for t in tensors)
     checking = basics.runtime().settings.metadata_check
     if not needed and not checking:
         return pending, None

@@ -32,6 +32,7 @@ from polytrain.horovod.torch.compression import Compression, Compressor
 from polytrain.horovod.torch.join import OPTIMIZER_LAYOUTS
 from polytrain.horovod.torch.ops import allgather
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
+from polytrain.timeline import COLLECTIVES
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                     "Increase backward_passes_per_step to accumulate gradients locally.")
@@ -277,6 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             scale_(bucket.buffer, 1.0 / self.gradient_predivide_factor)
         sent, ctx = self._compression.compress(bucket.buffer)
         group = self.process_set.group
+        bucket.launched_at = basics.runtime().timeline.now()
         work = dist.all_reduce(sent, op=TORCH_OPS[self.op], group=group, async_op=True)
         bucket.launched = (work, sent, ctx)
 
@@ -299,10 +301,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         post = self.gradient_predivide_factor if self.op == Average else 1.0
         if self.op == Average:
             post /= size
+        timeline = basics.runtime().timeline
         for bucket in self._buckets:
             work, sent, ctx = bucket.launched
             stall.wait(work, f"{bucket.label()} (gradient bucket {bucket.index})",
                        self.process_set.process_set_id, self._seq, group)
+            timeline.complete(f"gradient bucket {bucket.index}", "collective", bucket.launched_at, timeline.now(),
+                              track=COLLECTIVES, op="allreduce", bytes=sent.numel() * sent.element_size(),
+                              tensors=bucket.label())
             reduced = scale_(self._compression.decompress(sent, ctx), post)
             for p, offset in zip(bucket.params, bucket.offsets):
                 piece = reduced[offset:offset + p.numel()].view(p.shape)

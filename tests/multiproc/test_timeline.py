@@ -1,0 +1,118 @@
+"""``polytrain train --timeline`` and ``HOROVOD_TIMELINE``: one Chrome trace, one track per rank, with
+what each rank did — and the gradient collectives really carry the model's gradients.
+
+Per optimizer step every rank must show forward, backward, the optimizer step and data
+events, and gradient-bucket allreduces whose bytes add up to the model's float32 parameter
+bytes (4 × the parameter count read back from the run's ``model.safetensors``). Under DDP
+the buckets run inside backward (DDP waits for them before backward returns).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from horovod_torch.hvd_launch import launch
+from procs import BIN, check, free_port, loopback_env, run
+
+from polytrain.checkpoint import read_model
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
+
+STEPS = 23  # 1 epoch of ceil(1437 / 64)
+
+
+def train(launcher: list[str], out: Path, sets: list[str], env: dict[str, str] | None = None) -> dict:
+    trace = out / "trace.json"
+    args = ["-m", "polytrain.cli", "train", "--quiet", "--timeline", str(trace),
+            *[a for s in ["loop.epochs=1", f"output={out}", *sets] for a in ("--set", s)]]
+    check(run([*launcher, *args], env=env or loopback_env(), timeout=300))
+    return json.loads(trace.read_text())
+
+
+def events(document: dict) -> dict[int, dict[str, list[dict]]]:
+    """rank → event name (bucket names folded into 'bucket') → events."""
+    out: dict[int, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for e in document["traceEvents"]:
+        if e["ph"] == "X":
+            out[e["pid"]]["bucket" if e["name"].startswith("gradient bucket") else e["name"]].append(e)
+    return out
+
+
+def parameter_bytes(out: Path) -> int:
+    state, _ = read_model(out)
+    return sum(int(np.asarray(v).size) * 4 for v in state.values())
+
+
+def assert_every_rank_recorded_training(document: dict, out: Path, loop_events: tuple[str, ...]) -> None:
+    by_rank = events(document)
+    assert sorted(by_rank) == [0, 1]
+    names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    for rank, named in by_rank.items():
+        for name in loop_events:
+            assert len(named[name]) == STEPS, (rank, name, len(named[name]))
+        assert len(named["evaluation"]) == 1
+        sent = sum(e["args"]["bytes"] for e in named["bucket"])
+        assert sent == STEPS * parameter_bytes(out), (rank, sent)
+        assert all(e["args"]["op"] == "allreduce" and e["tid"] == 1 for e in named["bucket"])
+
+
+def test_ddp_timeline_under_torchrun(tmp_path: Path) -> None:
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    document = train(torchrun, tmp_path, ["backend=ddp", "checkpoint.every_n_steps=10"])
+    assert document["otherData"]["backend"] == "ddp"
+    assert_every_rank_recorded_training(document, tmp_path,
+                                        ("data", "micro-step", "forward", "backward", "optimizer step"))
+    for rank, named in events(document).items():
+        assert len(named["checkpoint"]) == 3  # steps 10, 20 and the final state
+        backward = sorted((e["ts"], e["ts"] + e["dur"]) for e in named["backward"])
+        for bucket in named["bucket"]:  # each bucket's allreduce happens within one backward pass
+            assert any(start - 1 <= bucket["ts"] and bucket["ts"] + bucket["dur"] <= end + 1000
+                       for start, end in backward), (rank, bucket)
+
+
+def test_horovod_backend_timeline_records_the_shims_buckets(tmp_path: Path) -> None:
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    document = train(torchrun, tmp_path, ["backend=horovod"], env=loopback_env(POLYTRAIN_HOROVOD_IMPL="shim"))
+    assert_every_rank_recorded_training(document, tmp_path, ("forward", "backward", "synchronize gradients"))
+
+
+def test_mpi_backend_timeline_under_mpirun_torch_and_tensorflow(tmp_path: Path) -> None:
+    mpirun = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "POLYTRAIN_MPI_FUSION_BYTES", sys.executable]
+    env = loopback_env(POLYTRAIN_MPI_FUSION_BYTES="16384")  # several buckets per step
+    for framework in ("torch", "tensorflow"):
+        if framework == "tensorflow":
+            pytest.importorskip("tensorflow")
+        out = tmp_path / framework
+        document = train(mpirun, out, [f"framework={framework}", "backend=mpi"], env=env)
+        assert_every_rank_recorded_training(document, out, ("data", "micro-step", "optimizer step"))
+        assert len(events(document)[0]["bucket"]) > STEPS  # fused into more than one bucket per step
+
+
+SCRIPT = """
+import torch
+import polytrain.horovod.torch as hvd
+hvd.init()
+for i in range(3):
+    hvd.allreduce(torch.ones(1000) * hvd.rank(), name=f"grads.{i}")
+hvd.broadcast_object({"epoch": 1}, root_rank=0)
+hvd.shutdown()
+"""
+
+
+def test_horovod_timeline_variable_for_shim_scripts(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    trace = tmp_path / "horovod_timeline.json"
+    launch("torchrun", 2, script, env={"HOROVOD_TIMELINE": str(trace)})
+    document = json.loads(trace.read_text())
+    for named in events(document).values():
+        for i in range(3):
+            (op,) = named[f"grads.{i}"]
+            assert op["args"] == {"op": "allreduce", "bytes": 4000, "process_set": 0}
+    assert sorted(events(document)) == [0, 1]
