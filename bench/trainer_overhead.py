@@ -1,7 +1,8 @@
 """The polytrain Trainer on DDP vs a hand-written DDP loop: same model, data, batch, optimizer, steps.
 
 Run (2 ranks):  python bench/trainer_overhead.py            (starts itself under torchrun)
-Prints the median step time of each and their ratio (target: polytrain / hand-written <= 1.02).
+Prints the median step time of each and their ratio (target: polytrain / hand-written <= 1.02),
+and the cost of recording a timeline (``--timeline``: the Trainer with it on vs off).
 
 Both sides time windows of ``WINDOW`` steps (forward, backward with DDP's all-reduce,
 optimizer step, batch slicing) and report the median per-step time over the windows.
@@ -58,7 +59,7 @@ def hand_written(out: Path) -> float:
     return float(np.median(times[1:]))
 
 
-def polytrain_trainer(out: Path) -> float:
+def polytrain_trainer(out: Path, timeline: bool = False) -> float:
     import numpy as np
 
     from polytrain import spec as spec_mod
@@ -68,7 +69,7 @@ def polytrain_trainer(out: Path) -> float:
         "backend": "ddp", "model": {"name": "mlp", "params": {"hidden_sizes": list(HIDDEN)}},
         "data": {"batch_size": BATCH}, "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
         "loop": {"epochs": 100, "max_steps": STEPS, "log_every_n_steps": WINDOW}, "output": str(out)})
-    Trainer(spec, show_progress=False).fit()
+    Trainer(spec, show_progress=False, timeline=str(out / "trace.json") if timeline else None).fit()
     if int(os.environ["RANK"]) != 0:
         return 0.0
     windows = [e for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if e["event"] == "step"]
@@ -80,7 +81,7 @@ def polytrain_trainer(out: Path) -> float:
 
 def worker(which: str, out: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    seconds = hand_written(out) if which == "hand" else polytrain_trainer(out)
+    seconds = hand_written(out) if which == "hand" else polytrain_trainer(out, timeline=which == "timeline")
     if os.environ.get("RANK") == "0":
         (out / f"{which}.json").write_text(json.dumps({"step_s": seconds}))
 
@@ -94,7 +95,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         results = {}
-        for which in ("hand", "polytrain", "hand", "polytrain"):  # interleaved, best of two each
+        for which in ("hand", "polytrain", "timeline") * 2:  # interleaved, best of two each
             cmd = [torchrun, "--nproc_per_node=2", "--standalone",
                    __file__, which, str(out)]
             subprocess.run(cmd, check=True, env=env, timeout=900)
@@ -105,6 +106,8 @@ def main() -> None:
     print(f"hand-written DDP loop : {results['hand'] * 1e3:8.3f} ms/step (median)")
     print(f"polytrain Trainer     : {results['polytrain'] * 1e3:8.3f} ms/step (median)")
     print(f"ratio polytrain/hand  : {ratio:.3f}  (target <= 1.02)")
+    print(f"with --timeline       : {results['timeline'] * 1e3:8.3f} ms/step (median), "
+          f"{results['timeline'] / results['polytrain']:.3f} x without")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from polytrain.trainer import Trainer
 
     spec = spec_mod.load(args.spec, args.set or ())
-    Trainer(spec, show_progress=not args.quiet, resume=args.resume, timeline=args.timeline).fit()
+    Trainer(spec, show_progress=not args.quiet, resume=args.resume, timeline=args.timeline,
+            verbose=args.verbose).fit()
     return 0
 
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("spec", nargs="?", default=None, help="YAML/TOML/JSON spec file (default: built-in defaults)")
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field, e.g. loop.epochs=3")
     train.add_argument("--quiet", action="store_true", help="no progress output")
+    train.add_argument("--verbose", action="store_true", help="every rank shows its progress, not only rank 0")
     train.add_argument("--resume", nargs="?", const="auto", metavar="auto|PATH",
                        help="continue from a checkpoint: 'auto' (the default when given without a value) = the "
                             "newest complete one in checkpoint.dir; or a checkpoint directory")

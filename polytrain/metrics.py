@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,13 +73,31 @@ class MetricsLog:
 
 
 class Progress:
-    """A tqdm bar on a terminal; plain periodic lines otherwise (CI, Slurm logs)."""
+    """A tqdm bar on a terminal; plain lines otherwise (CI, Slurm logs), at most one every
+    ``interval_s`` seconds (``POLYTRAIN_PROGRESS_INTERVAL``, default 10) plus each epoch's last,
+    with the same fields as the bar: steps, loss, samples/s and the epoch's ETA.
 
-    def __init__(self, enabled: bool, stream: TextIO = sys.stderr) -> None:
+    ``prefix`` (e.g. ``[rank 1] ``) starts every line: ranks other than 0 print only under
+    ``--verbose``, and then say who they are.
+    """
+
+    def __init__(self, enabled: bool, stream: TextIO = sys.stderr, prefix: str = "",
+                 interval_s: float | None = None) -> None:
         self.enabled = enabled
         self.stream = stream
+        self.prefix = prefix
         self.bar: Any = None
-        self.tty = enabled and stream.isatty()
+        self.tty = enabled and stream.isatty() and not prefix
+        if interval_s is None:
+            raw = os.environ.get("POLYTRAIN_PROGRESS_INTERVAL", "").strip()
+            try:
+                interval_s = float(raw) if raw else 10.0
+            except ValueError:
+                interval_s = 10.0
+        self.interval_s = interval_s
+        self._last_line = 0.0
+        self._epoch_start = 0.0
+        self._first_done = 0
 
     def start_epoch(self, epoch: int, epochs: int, total: int) -> None:
         if not self.enabled:
@@ -90,6 +109,8 @@ class Progress:
                             dynamic_ncols=True)
         self.epoch_label = f"epoch {epoch + 1}/{epochs}"
         self.total = total
+        self._epoch_start = self._last_line = time.monotonic()
+        self._first_done = None
 
     def update(self, done: int, loss: float | None, samples_per_s: float) -> None:
         if not self.enabled:
@@ -100,7 +121,16 @@ class Progress:
                 self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.0f}", refresh=False)
             self.bar.refresh()
         elif loss is not None:
-            self.line(f"{self.epoch_label} step {done}/{self.total} loss {loss:.4f} {samples_per_s:.0f} samples/s")
+            now = time.monotonic()
+            if self._first_done is None:  # steps before the first report (a resumed epoch) take no time here
+                self._first_done, self._epoch_start = done, now
+            if done < self.total and now - self._last_line < self.interval_s:
+                return
+            self._last_line = now
+            rate = (done - self._first_done) / (now - self._epoch_start) if now > self._epoch_start else 0.0
+            eta = f" ETA {_duration((self.total - done) / rate)}" if done < self.total and rate > 0 else ""
+            self.line(f"{self.epoch_label} step {done}/{self.total} loss {loss:.4f} {samples_per_s:.0f} samples/s"
+                      f"{eta}")
 
     def end_epoch(self) -> None:
         if self.bar is not None:
@@ -109,4 +139,14 @@ class Progress:
 
     def line(self, text: str) -> None:
         if self.enabled:
-            print(text, file=self.stream, flush=True)
+            print(f"{self.prefix}{text}", file=self.stream, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -81,13 +81,15 @@ class Position:
 
 class Trainer:
     def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
-                 resume: str | None = None, timeline: str | None = None) -> None:
-        """``timeline``: a file to write a Chrome-trace timeline of every rank into (see polytrain.timeline)."""
+                 resume: str | None = None, timeline: str | None = None, verbose: bool = False) -> None:
+        """``timeline``: a file to write a Chrome-trace timeline of every rank into (see polytrain.timeline);
+        ``verbose``: every rank shows its progress (prefixed with its rank), not only rank 0."""
         self.spec = spec
         self.world = world if world is not None else detect_world()
         self.show_progress = show_progress
         self.resume = resume
         self.timeline_path = timeline
+        self.verbose = verbose
         self._last_saved: int | None = None
         self.activity = "start-up"
 
@@ -99,7 +101,8 @@ class Trainer:
         self.backend.setup()
         is_main = world.rank == 0
         self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
-        self.progress = Progress(enabled=is_main and self.show_progress)
+        prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
+        self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
         try:
             data = load_dataset(spec.data, spec.seed)
             self.framework = registry.create_framework(spec, world, self.backend)

@@ -69,3 +69,45 @@ def test_plot_of_a_directory_without_metrics_is_a_one_line_error(tmp_path: Path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"polytrain: error: plot: {tmp_path} has no metrics.jsonl (give the output " \
                                   f"directory of a run)"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_without_a_terminal_prints_throttled_lines_with_eta(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from polytrain import metrics
+
+    clock = _Clock()
+    monkeypatch.setattr(metrics.time, "monotonic", clock)
+    stream = io.StringIO()
+    progress = metrics.Progress(enabled=True, stream=stream, interval_s=10)
+    progress.start_epoch(0, 2, total=100)
+    for done in range(1, 101):  # one step per second
+        clock.now += 1.0
+        progress.update(done, 0.5, 64.0)
+    progress.end_epoch()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 10  # every 10 s, and the epoch's last step
+    assert lines[0] == "epoch 1/2 step 10/100 loss 0.5000 64 samples/s ETA 1m30s"
+    assert lines[-1] == "epoch 1/2 step 100/100 loss 0.5000 64 samples/s"
+
+
+def test_progress_of_another_rank_is_prefixed_and_never_a_bar() -> None:
+    import io
+
+    from polytrain.metrics import Progress
+
+    stream = io.StringIO()
+    stream.isatty = lambda: True  # type: ignore[method-assign]
+    progress = Progress(enabled=True, stream=stream, prefix="[rank 1] ", interval_s=0)
+    progress.start_epoch(0, 1, total=2)
+    progress.update(2, 0.25, 10.0)
+    assert progress.bar is None
+    assert stream.getvalue() == "[rank 1] epoch 1/1 step 2/2 loss 0.2500 10 samples/s\n"
