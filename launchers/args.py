@@ -35,6 +35,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", default="0", metavar="K", help="restart the workers up to K times")
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
     parser.add_argument("--emit-sbatch", metavar="FILE", help="write a Slurm batch script instead of running")
+    parser.add_argument("--emit-bsub", metavar="FILE",
+                        help="write an LSF batch script (jsrun) instead of running; Slurm options map onto LSF's")
     parser.add_argument(
         "-x", "--env", action="append", default=[], metavar="VAR[=VALUE]",
         help="export VAR to every worker (without =VALUE: its current value); repeatable",
@@ -156,12 +158,17 @@ def launch_from_args(args: argparse.Namespace) -> int:
     from polytrain.launchers.srun import emit_sbatch
 
     req = request_from_args(args)
-    if args.emit_sbatch:
-        script = emit_sbatch(req)
+    from polytrain.launchers.lsf import emit_bsub
+
+    for flag, target, emit, submit in (("--emit-sbatch", args.emit_sbatch, emit_sbatch, "sbatch {}"),
+                                       ("--emit-bsub", getattr(args, "emit_bsub", None), emit_bsub, "bsub < {}")):
+        if not target:
+            continue
+        script = emit(req)
         try:
-            Path(args.emit_sbatch).write_text(script)
+            Path(target).write_text(script)
         except OSError as exc:
-            raise LaunchError(f"--emit-sbatch {args.emit_sbatch}: cannot write it ({exc.strerror or exc})") from exc
-        print(f"wrote {args.emit_sbatch}; submit it with: sbatch {args.emit_sbatch}", file=sys.stderr)
+            raise LaunchError(f"{flag} {target}: cannot write it ({exc.strerror or exc})") from exc
+        print(f"wrote {target}; submit it with: {submit.format(target)}", file=sys.stderr)
         return 0
     return run(req, dry_run=args.dry_run)
