@@ -150,6 +150,7 @@ class ReliabilitySpec:
     verify_every_n_steps: int | None = _rule(None, min=1)  # checksum the replicas across ranks
     collective_timeout_s: float = _rule(300.0, min=1.0)  # a collective not done by then fails the job
     startup_check: bool = True  # compare spec digest, parameters and library versions across ranks
+    stall_warning_s: float = _rule(60.0, min=0.1)  # warn (naming the ranks behind) when stuck this long
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from polytrain.metrics import MetricsLog, Progress
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
+from polytrain.watchdog import Activity, StallWatchdog
 from polytrain.world import World, detect_world
 
 # Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
@@ -91,14 +92,16 @@ class Trainer:
         self.timeline_path = timeline
         self.verbose = verbose
         self._last_saved: int | None = None
-        self.activity = "start-up"
+        self._activity = Activity()
 
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
         self.timeline = Timeline(world.rank) if self.timeline_path else NULL
         self.backend = registry.create_backend(spec, world)
         self.backend.timeline = self.timeline
+        self.backend.activity = self._activity
         self.backend.setup()
+        self.watchdog: StallWatchdog | None = None
         is_main = world.rank == 0
         self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
         prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
@@ -124,6 +127,7 @@ class Trainer:
             if self.timeline.enabled:
                 self.backend.barrier()  # every rank's time zero is the same moment
                 self.timeline.reset_origin()
+            self.watchdog = self._start_watchdog()  # from here on every rank runs the same activities
             try:
                 result = self._loop(data, start)
             except Exception as exc:
@@ -137,6 +141,8 @@ class Trainer:
             self._write_timeline()
             return result
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             self.log.close()
             self.backend.teardown()
 
@@ -166,7 +172,7 @@ class Trainer:
             for i, plan in enumerate(plans, start=first):
                 if step >= total:
                     break
-                self.activity = f"forward/backward of step {step + 1}"
+                self._activity.set("forward/backward", step=step + 1)
                 scale = world.size / plan.global_count
                 last = len(plan.micro_batches) - 1
                 for m, idx in enumerate(plan.micro_batches):
@@ -177,7 +183,7 @@ class Trainer:
                     window += (loss_sum, len(idx))
                 lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=world.size,
                            steps_per_epoch=per_epoch, total_steps=total)
-                self.activity = f"the optimizer step of step {step + 1}"
+                self._activity.set("the optimizer step", step=step + 1)
                 with timeline.span("optimizer step", "optimizer", step=step + 1):
                     if self.check_finite and not fw.grads_finite():
                         self._nonfinite(step + 1)
@@ -214,6 +220,27 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ reliability
+    @property
+    def activity(self) -> str:
+        """What the loop is doing now (named in failure messages and stall warnings)."""
+        return self._activity.text
+
+    @activity.setter
+    def activity(self, text: str) -> None:
+        self._activity.set(text)
+
+    def _start_watchdog(self) -> StallWatchdog | None:
+        if self.world.size == 1:
+            return None
+        reliability = self.spec.reliability
+        board_fn = getattr(self.backend, "progress_board", None)
+        try:
+            board = board_fn() if board_fn is not None else None
+        except RuntimeError:  # no side channel: warn without naming ranks
+            board = None
+        return StallWatchdog(self.world.rank, self.world.size, self._activity, reliability.stall_warning_s,
+                             reliability.collective_timeout_s, board).start()
+
     def _check_ranks_agree(self, mine: dict[str, Any]) -> None:
         """Every rank must run the same spec, model and libraries; a mismatch fails on every rank."""
         everyone = self.backend.all_gather_object(mine)

@@ -59,14 +59,21 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size,
                           is_master=world.rank == 0 and not agent_store, timeout=timeout)
+    return dist.PrefixStore(store_prefix(), store)
+
+
+def store_prefix() -> str:
+    """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("POLYTRAIN_RESTART_COUNT") or "0"
-    return dist.PrefixStore(f"polytrain/restart_{restart}", store)
+    return f"polytrain/restart_{restart}"
 
 
 class TorchBackend:
     name = "base"
     #: where the backend records its collectives (the Trainer sets it before ``setup``)
     timeline: Any = NULL
+    #: the Trainer's `polytrain.watchdog.Activity` (None outside a Trainer)
+    activity: Any = None
 
     def __init__(self, spec: TrainSpec, world: World) -> None:
         self.spec = spec
@@ -84,6 +91,7 @@ class TorchBackend:
         from polytrain.world import ensure_master
 
         world = ensure_master(self.world)
+        self._store_endpoint = (str(world.master_addr), int(world.master_port))
         timeout = datetime.timedelta(seconds=self.spec.reliability.collective_timeout_s)
         dist.init_process_group(
             backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
@@ -93,6 +101,17 @@ class TorchBackend:
             timeout=timeout,
         )
         self._owns_group = True
+
+    def progress_board(self) -> Any | None:
+        """A store client of its own (for the stall watchdog's thread) on the store the ranks met in."""
+        endpoint = getattr(self, "_store_endpoint", None)
+        if endpoint is None:
+            return None
+        from polytrain.watchdog import StoreBoard
+
+        client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=10))
+        return StoreBoard(dist.PrefixStore(f"{store_prefix()}/watchdog", client))
 
     def teardown(self) -> None:
         if getattr(self, "_owns_group", False) and dist.is_initialized():

@@ -79,13 +79,17 @@ class TorchFramework:
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
         self.model.train()
         xb, yb = self._tensors(x, y)
-        timeline = self.backend.timeline
+        timeline, activity = self.backend.timeline, self.backend.activity
         with contextlib.nullcontext() if sync else self.backend.no_sync(self.model):
+            if activity is not None:
+                activity.phase("forward")
             with timeline.span("forward", "compute"):
                 with self._autocast():
                     out = self.model(xb)
                 loss = self._loss_sum(out, yb)
                 scaled = loss * loss_scale
+            if activity is not None:
+                activity.phase("backward")
             with timeline.span("backward", "compute", sync=sync):
                 self.backend.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
         return float(loss.detach())

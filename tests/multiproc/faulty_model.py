@@ -1,4 +1,5 @@
-"""A model factory for fault-injection tests: an MLP whose rank ``FAULT_RANK`` SIGKILLs itself.
+"""A model factory for fault-injection tests: an MLP whose rank ``FAULT_RANK`` SIGKILLs itself (or, with
+``FAULT_MODE=sleep``, sleeps ``FAULT_SLEEP`` seconds: a stalled rank).
 
 Used through the spec's import-path escape hatch (``model.name: faulty_model:make``). The kill
 happens at the ``FAULT_AT``-th training forward of the first attempt only (restart count 0), so
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -28,7 +30,10 @@ class FaultyMLP(nn.Module):
                                                                        "POLYTRAIN_RESTART_COUNT")) == 0
             if (first_attempt and os.environ.get("RANK") == os.environ.get("FAULT_RANK")
                     and self.calls == int(os.environ.get("FAULT_AT", "-1"))):
-                os.kill(os.getpid(), signal.SIGKILL)
+                if os.environ.get("FAULT_MODE") == "sleep":  # a stalled rank (stuck I/O, a debugger)
+                    time.sleep(float(os.environ.get("FAULT_SLEEP", "10")))
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
         return self.head(torch.relu(self.hidden[0](x.flatten(1))))
 
 

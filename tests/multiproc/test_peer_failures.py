@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 import sys
 import time
@@ -21,8 +23,8 @@ from procs import BIN, free_port, loopback_env, run
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 HERE = Path(__file__).resolve().parent
-SURVIVOR_LINE = ("polytrain: error: rank 0: a collective failed during forward/backward of step 7: another rank "
-                 "died, stalled or lost its connection (")
+SURVIVOR_LINE = re.compile(r"polytrain: error: rank 0: a collective failed during (forward|backward|forward/backward) "
+                           r"of step 7: another rank died, stalled or lost its connection \(")
 
 CASES = {
     "torch-ddp": ["framework=torch", "backend=ddp", "model.name=faulty_model:make"],
@@ -47,7 +49,7 @@ def test_survivor_of_a_killed_peer_fails_in_one_line(tmp_path: Path, case: str) 
     elapsed = time.monotonic() - started
     survivor = (tmp_path / "rank0.err").read_text()
     last = survivor.strip().splitlines()[-1]
-    assert last.startswith(SURVIVOR_LINE), survivor[-3000:]
+    assert SURVIVOR_LINE.match(last), survivor[-3000:]
     assert "Traceback" not in survivor
     assert elapsed < 150  # ended by the lost connection (or the 30 s collective timeout), not a hang
 
@@ -68,3 +70,37 @@ def test_a_rank_that_raises_under_mpirun_ends_the_job(tmp_path: Path) -> None:
     assert "RuntimeError: injected failure on rank 1" in result.stderr, result.stderr[-3000:]
     assert "MPI_ABORT was invoked on rank 1" in result.stdout + result.stderr
     assert elapsed < 150  # rank 0 sat in MPI_Allreduce, which has no timeout: only the abort ended it
+
+
+def stalled_run(tmp_path: Path, sleep_s: str, sets: list[str]):
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           "-m", "polytrain.cli", "train", "--quiet",
+           *[a for s in ["model.name=faulty_model:make", "loop.epochs=1", f"output={tmp_path}", *sets]
+             for a in ("--set", s)]]
+    env = loopback_env(PYTHONPATH=str(HERE), FAULT_RANK="1", FAULT_AT="5", FAULT_MODE="sleep", FAULT_SLEEP=sleep_s)
+    started = time.monotonic()
+    result = run(cmd, env=env, timeout=240)
+    return result, time.monotonic() - started
+
+
+def test_a_stalled_rank_is_named_by_the_waiting_rank_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Rank 1 sleeps 10 s in the forward pass of step 5; after 2 s rank 0, waiting in backward's allreduce,
+    warns naming rank 1 and where it is. The run then finishes normally."""
+    result, _ = stalled_run(tmp_path, "10", ["reliability.stall_warning_s=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "WARNING: no progress" in line]
+    mine = [line for line in warnings if "rank 0: WARNING" in line]
+    assert len(mine) == 1, warnings
+    assert re.search(r"rank 0: WARNING: no progress in backward of step 5 for \d+ s; rank 1 is still in forward of "
+                     r"step 5 \(the job fails after reliability.collective_timeout_s=300 s\)", mine[0]), mine[0]
+    assert json.loads((tmp_path / "model.json").read_text())["global_step"] == 23
+
+
+def test_a_rank_stalled_past_the_collective_timeout_fails_the_job_in_one_line(tmp_path: Path) -> None:
+    result, elapsed = stalled_run(tmp_path, "120", ["reliability.stall_warning_s=1",
+                                                    "reliability.collective_timeout_s=6"])
+    assert result.returncode != 0
+    assert "rank 0: WARNING: no progress in backward of step 5" in result.stderr
+    assert re.search(r"polytrain: error: rank 0: a collective failed during backward of step 5: another rank died, "
+                     r"stalled or lost its connection", result.stderr), result.stderr[-3000:]
+    assert elapsed < 100  # rank 1 sleeps 120 s: the timeout ended the job, not the sleep

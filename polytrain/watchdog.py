@@ -1,0 +1,135 @@
+"""The Trainer's stall inspector: a warning when a rank stops making progress, naming who is behind.
+
+The training loop only bumps a counter and names what it is doing (`Activity`); a
+daemon thread does the rest. Once a second it publishes this rank's counter and
+activity to a side channel the ranks share (`PeerBoard`, the TCPStore the torch
+process group met in), and when the counter has not moved for
+``reliability.stall_warning_s`` it prints one warning per stalled activity: what this
+rank waits in, for how long, and which ranks have not reached it yet, with what each
+of them is doing. Every rank runs the same sequence of activities, so a lower counter
+means "behind". Backends without such a channel (MPI, TensorFlow) still get the
+warning, without the list of ranks.
+
+The job still fails only through the collective timeout (``reliability.collective_timeout_s``);
+the warning comes first, so a hang is explained long before it is ended.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class Activity:
+    """What the training loop is doing, as a counter that moves on every change.
+
+    ``set("forward/backward", step=5)`` names a phase of a step; a framework adapter may then
+    refine it with ``phase("backward")`` (same step) so a stall says which side of a collective
+    each rank is on.
+    """
+
+    def __init__(self, text: str = "start-up") -> None:
+        self.text = text
+        self.step: int | None = None
+        self.seq = 0
+        self.since = time.monotonic()
+
+    def set(self, text: str, step: int | None = None) -> None:
+        self.step = step
+        self.text = text if step is None else f"{text} of step {step}"
+        self.seq += 1
+        self.since = time.monotonic()
+
+    def phase(self, name: str) -> None:
+        """A finer phase of the current step (``forward``, ``backward``)."""
+        self.set(name, self.step)
+
+
+class PeerBoard(Protocol):
+    """Where the ranks post their progress: any key-value store reachable from a thread."""
+
+    def publish(self, rank: int, seq: int, text: str) -> None: ...
+
+    def read(self, ranks: range) -> dict[int, tuple[int, str]]: ...
+
+
+class StoreBoard:
+    """A `PeerBoard` on a torch.distributed Store (``set`` / ``multi_get`` on keys ``progress/<rank>``)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def publish(self, rank: int, seq: int, text: str) -> None:
+        self.store.set(f"progress/{rank}", f"{seq}|{text}")
+
+    def read(self, ranks: range) -> dict[int, tuple[int, str]]:
+        out = {}
+        for rank in ranks:
+            if not self.store.check([f"progress/{rank}"]):
+                continue
+            seq, _, text = self.store.get(f"progress/{rank}").decode().partition("|")
+            out[rank] = (int(seq), text)
+        return out
+
+
+def stall_message(rank: int, activity: str, seconds: float, peers: dict[int, tuple[int, str]] | None,
+                  my_seq: int, size: int, timeout_s: float) -> str:
+    """The one warning line for a rank whose ``activity`` has not moved for ``seconds``."""
+    head = f"polytrain: rank {rank}: WARNING: no progress in {activity} for {seconds:.0f} s; "
+    tail = f" (the job fails after reliability.collective_timeout_s={timeout_s:g} s)"
+    if peers is None:
+        return head + "this backend cannot tell which ranks are behind" + tail
+    behind = sorted(r for r, (seq, _) in peers.items() if seq < my_seq and r != rank)
+    silent = sorted(set(range(size)) - set(peers) - {rank})
+    parts = [f"rank {r} is still in {peers[r][1]}" for r in behind]
+    if silent:
+        parts.append(f"no word from rank(s) {', '.join(map(str, silent))}")
+    if not parts:
+        return head + "every rank has reached it: a collective is slow or stuck, or this rank is busy" + tail
+    return head + "; ".join(parts) + tail
+
+
+class StallWatchdog:
+    """A daemon thread that publishes this rank's progress and warns once per stalled activity."""
+
+    def __init__(self, rank: int, size: int, activity: Activity, warn_after_s: float, timeout_s: float,
+                 board: PeerBoard | None, emit: Callable[[str], None] | None = None) -> None:
+        self.rank, self.size, self.activity = rank, size, activity
+        self.warn_after_s, self.timeout_s = warn_after_s, timeout_s
+        self.board = board
+        self.emit = emit or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.period = min(1.0, warn_after_s / 4)
+        self._stop = threading.Event()
+        self._warned_seq = -1
+        self._thread = threading.Thread(target=self._run, name="polytrain-stall-watchdog", daemon=True)
+
+    def start(self) -> StallWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.check()
+            except Exception:  # the side channel is gone (a peer died, the job ends): the collectives report it
+                self.board = None
+                if self._stop.wait(self.period):
+                    return
+
+    def check(self) -> None:
+        seq, text, since = self.activity.seq, self.activity.text, self.activity.since
+        if self.board is not None:
+            self.board.publish(self.rank, seq, text)
+        waited = time.monotonic() - since
+        if waited < self.warn_after_s or seq == self._warned_seq or seq != self.activity.seq:
+            return
+        self._warned_seq = seq
+        peers = self.board.read(range(self.size)) if self.board is not None else None
+        self.emit(stall_message(self.rank, text, waited, peers, seq, self.size, self.timeout_s))
