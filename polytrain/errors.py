@@ -28,6 +28,10 @@ class BackendUnavailableError(UserError):
     """A backend or framework is asked for but is not installed/usable here."""
 
 
+class RendezvousError(UserError):
+    """The ranks could not meet: master unreachable, its port taken, fewer ranks than the world size."""
+
+
 class TrainingFailure(Exception):
     """Training cannot go on (diverged, replicas drifted apart, ranks disagree): one line, exit code 1."""
 

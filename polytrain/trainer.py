@@ -349,8 +349,9 @@ class Trainer:
         if manifest.get("model_digest") != self.spec.model_digest():
             raise ckpt.CheckpointError(
                 f"--resume: {path} was written by a different model/data/seed (model digest "
-                f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()})")
-        if manifest["global_batch"] != self.global_batch and manifest["step_in_epoch"]:
+                f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()}); resume it with the "
+                f"spec that wrote it (saved in its manifest.json), or start without --resume")
+        if manifest.get("global_batch", self.global_batch) != self.global_batch and manifest.get("step_in_epoch"):
             raise ckpt.CheckpointError(
                 f"--resume: {path} stopped mid-epoch with a global batch of {manifest['global_batch']}, "
                 f"this run's is {self.global_batch}; set data.global_batch_size={manifest['global_batch']}")

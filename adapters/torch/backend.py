@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +63,30 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(store_prefix(), store)
 
 
+def rendezvous_error(exc: BaseException, world: World, timeout_s: float) -> Exception:
+    """One line saying why the ranks did not meet at the master, and what to check."""
+    from polytrain.errors import RendezvousError
+
+    where = f"{world.master_addr}:{world.master_port}"
+    text = str(exc)
+    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        return RendezvousError(
+            f"rendezvous: rank {world.rank} cannot listen on MASTER_PORT {world.master_port} at {world.master_addr}: "
+            "the port is in use by another process; choose another MASTER_PORT (polytrain launch picks a free one)")
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return RendezvousError(
+            f"rendezvous: only {joined.group(1)} of {joined.group(2)} ranks reached the master {where} within "
+            f"{timeout_s:g} s (reliability.startup_timeout_s); check that every rank was started and that they agree "
+            f"on the world size (-np / WORLD_SIZE={world.size})")
+    if "timed out" in text.lower() or "connect" in text.lower():
+        return RendezvousError(
+            f"rendezvous: rank {world.rank} cannot reach the master at {where} within {timeout_s:g} s "
+            "(reliability.startup_timeout_s); check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that "
+            "the port is open between the hosts")
+    return RendezvousError(f"rendezvous at {where} failed: {text.strip().splitlines()[0][:200]}")
+
+
 def store_prefix() -> str:
     """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("POLYTRAIN_RESTART_COUNT") or "0"
@@ -92,10 +117,16 @@ class TorchBackend:
 
         world = ensure_master(self.world)
         self._store_endpoint = (str(world.master_addr), int(world.master_port))
-        timeout = datetime.timedelta(seconds=self.spec.reliability.collective_timeout_s)
+        reliability = self.spec.reliability
+        try:
+            store = rendezvous_store(world, timeout=datetime.timedelta(seconds=reliability.startup_timeout_s))
+        except RuntimeError as exc:  # DistNetworkError / DistStoreError
+            raise rendezvous_error(exc, world, reliability.startup_timeout_s) from None
+        store.set_timeout(datetime.timedelta(seconds=reliability.collective_timeout_s))
+        timeout = datetime.timedelta(seconds=reliability.collective_timeout_s)
         dist.init_process_group(
             backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
-            store=rendezvous_store(world, timeout=timeout),
+            store=store,
             rank=world.rank,
             world_size=world.size,
             timeout=timeout,
