@@ -24,7 +24,7 @@ import numpy as np
 from polytrain import checkpoint as ckpt
 from polytrain import registry
 from polytrain.data import Dataset, epoch_plan, eval_shard, global_batch_size, load_dataset, steps_per_epoch
-from polytrain.errors import TrainingFailure
+from polytrain.errors import SpecError, TrainingFailure
 from polytrain.metrics import MetricsLog, Progress
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
@@ -103,6 +103,8 @@ class Trainer:
         self.backend.setup()
         self.watchdog: StallWatchdog | None = None
         is_main = world.rank == 0
+        if is_main:
+            _check_writable_dir("output", Path(spec.output))
         self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
         prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
         self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
@@ -314,8 +316,17 @@ class Trainer:
             "samples_in_epoch": min(pos.step_in_epoch * self.global_batch, self.per_epoch * self.global_batch),
             "global_batch": self.global_batch, "rng_states": rng,
         }
-        path = ckpt.save_checkpoint(self.spec.checkpoint_dir, pos.step, {"model": model, "optimizer": optimizer},
-                                    manifest, keep_last=self.spec.checkpoint.keep_last)
+        root = self.spec.checkpoint_dir
+        try:
+            path = ckpt.save_checkpoint(root, pos.step, {"model": model, "optimizer": optimizer}, manifest,
+                                        keep_last=self.spec.checkpoint.keep_last)
+        except OSError as exc:  # disk full, file too large, read-only or missing directory
+            kept = ckpt.complete_checkpoints(root)
+            previous = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint exists"
+            raise TrainingFailure(
+                f"checkpoint.dir: cannot write the checkpoint of step {pos.step} under {root} "
+                f"({exc.strerror or exc}); {previous}; free space or choose another checkpoint.dir, then "
+                "resume with --resume auto") from exc
         self.log.write("checkpoint", step=pos.step, path=str(path))
 
     def _write_timeline(self) -> None:
@@ -381,12 +392,28 @@ class Trainer:
             return
         manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
                     "val_accuracy": result.val_accuracy, "val_loss": result.val_loss, "rank_state_digests": digests}
-        ckpt.write_model(Path(self.spec.output), state, manifest)
+        try:
+            ckpt.write_model(Path(self.spec.output), state, manifest)
+        except OSError as exc:
+            raise TrainingFailure(f"output: cannot write the trained model to {self.spec.output} "
+                                  f"({exc.strerror or exc}); free space or choose another output directory") from exc
         if result.val_accuracy is not None:
             self.progress.line(f"validation accuracy: {result.val_accuracy:.4f}")
         else:
             self.progress.line(f"validation loss: {result.val_loss:.6f}")
         self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")
+
+
+def _check_writable_dir(field_name: str, path: Path) -> None:
+    """Create ``path`` (rank 0, before any work) or fail in one line naming the spec field."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".polytrain-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise SpecError(f"{field_name}: cannot write to {path} ({exc.strerror or exc}); choose a writable "
+                        "directory") from None
 
 
 def _library_versions() -> dict[str, str]:

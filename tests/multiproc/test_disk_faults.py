@@ -1,0 +1,69 @@
+"""Disk trouble: an output directory that cannot be created, and checkpoint writes that fail
+(the file-size limit stands in for a full disk: writes fail with EFBIG the way they fail with
+ENOSPC). One line each, and the previous checkpoint stays intact and resumable."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from procs import check, loopback_env, run
+
+from polytrain.checkpoint import complete_checkpoints, load_checkpoint
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+SETS = ["model.params.hidden_sizes=[512]", "loop.epochs=2", "checkpoint.every_n_steps=10", "loop.log_every_n_steps=50"]
+LIMITED = """\
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+limit = int(os.environ["FILE_SIZE_LIMIT"])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def train(out: Path, sets: list[str], *extra: str, limit: int | None = None):
+    cmd = [sys.executable, "-m", "polytrain.cli", "train", "--quiet",
+           *[a for s in [*SETS, f"output={out}", *sets] for a in ("--set", s)], *extra]
+    env = loopback_env()
+    if limit is not None:
+        wrapper = out.parent / "limited.py"
+        wrapper.write_text(LIMITED)
+        cmd = [sys.executable, str(wrapper), *cmd[1:]]
+        env["FILE_SIZE_LIMIT"] = str(limit)
+    return run(cmd, env=env, timeout=200)
+
+
+def test_output_that_cannot_be_created_is_a_one_line_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = train(tmp_path / "out", [f"output={blocker / 'run'}"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"polytrain: error: output: cannot write to {blocker / 'run'} (Not a directory); choose a writable directory"]
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    check(train(out, ["loop.max_steps=20"]))
+    root = out / "checkpoints"
+    before = complete_checkpoints(root)
+    assert [p.name for p in before] == ["step-00000010", "step-00000020"]
+    model_bytes = (before[-1] / "model.safetensors").stat().st_size
+    # resume with every file capped below a checkpoint's size: the save at step 30 fails
+    result = train(out, [], "--resume", "auto", limit=model_bytes // 2)
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (f"polytrain: error: checkpoint.dir: cannot write the checkpoint of step 30 under {root} "
+                    f"(File too large); the previous checkpoint {before[-1]} is intact; free space or choose "
+                    "another checkpoint.dir, then resume with --resume auto"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert complete_checkpoints(root) == before and not list(root.glob(".tmp-*"))
+    assert (root / "latest").read_text().strip() == "step-00000020"
+    manifest, _ = load_checkpoint(before[-1])  # verifies every file's checksum
+    assert manifest["global_step"] == 20
+    check(train(out, [], "--resume", "auto"))  # space is back: the run continues from step 20 and finishes
+    assert json.loads((out / "model.json").read_text())["global_step"] == 90  # 2 epochs of ceil(1437 / 32)
