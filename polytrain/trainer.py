@@ -137,8 +137,8 @@ class Trainer:
                     raise
                 detail = peer_failure_detail(exc)
                 raise TrainingFailure(
-                    f"rank {world.rank}: a collective failed during {self.activity}: another rank died, stalled "
-                    f"or lost its connection ({detail})") from exc
+                    f"rank {world.rank}: a collective failed during {self.activity}: {self._who_was_lost()} "
+                    f"({detail})") from exc
             self._save_model(result)
             self._write_timeline()
             return result
@@ -230,6 +230,13 @@ class Trainer:
     @activity.setter
     def activity(self, text: str) -> None:
         self._activity.set(text)
+
+    def _who_was_lost(self) -> str:
+        """Which ranks stopped responding (by their heartbeats), or the general cause when that is unknown."""
+        lost = self.watchdog.lost_ranks() if self.watchdog is not None else None
+        if lost:
+            return "; ".join(f"rank {rank} stopped responding (last seen in {text})" for rank, text in lost.items())
+        return "another rank died, stalled or lost its connection"
 
     def _start_watchdog(self) -> StallWatchdog | None:
         if self.world.size == 1:

@@ -51,9 +51,11 @@ class Activity:
 class PeerBoard(Protocol):
     """Where the ranks post their progress: any key-value store reachable from a thread."""
 
-    def publish(self, rank: int, seq: int, text: str) -> None: ...
+    def publish(self, rank: int, seq: int, text: str, beat: int = 0) -> None: ...
 
     def read(self, ranks: range) -> dict[int, tuple[int, str]]: ...
+
+    def beats(self, ranks: range) -> dict[int, int]: ...
 
 
 class StoreBoard:
@@ -62,17 +64,23 @@ class StoreBoard:
     def __init__(self, store: Any) -> None:
         self.store = store
 
-    def publish(self, rank: int, seq: int, text: str) -> None:
-        self.store.set(f"progress/{rank}", f"{seq}|{text}")
+    def publish(self, rank: int, seq: int, text: str, beat: int = 0) -> None:
+        self.store.set(f"progress/{rank}", f"{seq}|{beat}|{text}")
 
-    def read(self, ranks: range) -> dict[int, tuple[int, str]]:
+    def _entries(self, ranks: range) -> dict[int, tuple[int, int, str]]:
         out = {}
         for rank in ranks:
             if not self.store.check([f"progress/{rank}"]):
                 continue
-            seq, _, text = self.store.get(f"progress/{rank}").decode().partition("|")
-            out[rank] = (int(seq), text)
+            seq, beat, text = self.store.get(f"progress/{rank}").decode().split("|", 2)
+            out[rank] = (int(seq), int(beat), text)
         return out
+
+    def read(self, ranks: range) -> dict[int, tuple[int, str]]:
+        return {rank: (seq, text) for rank, (seq, _, text) in self._entries(ranks).items()}
+
+    def beats(self, ranks: range) -> dict[int, int]:
+        return {rank: beat for rank, (_, beat, _) in self._entries(ranks).items()}
 
 
 def stall_message(rank: int, activity: str, seconds: float, peers: dict[int, tuple[int, str]] | None,
@@ -104,6 +112,7 @@ class StallWatchdog:
         self.period = min(1.0, warn_after_s / 4)
         self._stop = threading.Event()
         self._warned_seq = -1
+        self._beat = 0
         self._thread = threading.Thread(target=self._run, name="polytrain-stall-watchdog", daemon=True)
 
     def start(self) -> StallWatchdog:
@@ -115,18 +124,38 @@ class StallWatchdog:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        while True:
             try:
                 self.check()
             except Exception:  # the side channel is gone (a peer died, the job ends): the collectives report it
                 self.board = None
-                if self._stop.wait(self.period):
-                    return
+            if self._stop.wait(self.period):
+                return
+
+    def lost_ranks(self) -> dict[int, str] | None:
+        """After a collective failed: the ranks whose heartbeat stopped, with what each was last doing.
+
+        Reads every rank's heartbeat, waits a little over two beats and reads again; None when there
+        is no side channel or it is gone too (its host, rank 0 or the launcher's agent, went away).
+        """
+        board = self.board
+        if board is None:
+            return None
+        try:
+            first = board.read(range(self.size))
+            before = board.beats(range(self.size))
+            time.sleep(2.2 * self.period)
+            after = board.beats(range(self.size))
+        except Exception:
+            return None
+        return {rank: first.get(rank, (0, "nothing: it never reported"))[1] for rank in range(self.size)
+                if rank != self.rank and after.get(rank) == before.get(rank)}
 
     def check(self) -> None:
         seq, text, since = self.activity.seq, self.activity.text, self.activity.since
         if self.board is not None:
-            self.board.publish(self.rank, seq, text)
+            self._beat += 1
+            self.board.publish(self.rank, seq, text, self._beat)
         waited = time.monotonic() - since
         if waited < self.warn_after_s or seq == self._warned_seq or seq != self.activity.seq:
             return

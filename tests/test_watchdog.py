@@ -10,12 +10,19 @@ from polytrain.watchdog import Activity, StallWatchdog, stall_message
 class Board:
     def __init__(self, peers: dict[int, tuple[int, str]]) -> None:
         self.peers = dict(peers)
+        self.beat_values = {rank: 0 for rank in peers}
 
-    def publish(self, rank: int, seq: int, text: str) -> None:
+    def publish(self, rank: int, seq: int, text: str, beat: int = 0) -> None:
         self.peers[rank] = (seq, text)
+        self.beat_values[rank] = beat
 
     def read(self, ranks: range) -> dict[int, tuple[int, str]]:
         return {r: v for r, v in self.peers.items() if r in ranks}
+
+    def beats(self, ranks: range) -> dict[int, int]:
+        for rank in (0, 2):  # ranks 0 and 2 are alive and keep beating; rank 1 is gone
+            self.beat_values[rank] = self.beat_values.get(rank, 0) + 1
+        return {r: v for r, v in self.beat_values.items() if r in ranks}
 
 
 def test_activity_counts_changes_and_keeps_the_step_for_phases() -> None:
@@ -50,3 +57,11 @@ def test_warns_once_per_stalled_activity_and_publishes_progress() -> None:
     time.sleep(0.06)
     dog.check()
     assert len(lines) == 2 and "no progress in backward of step 1" in lines[1]
+
+
+def test_lost_ranks_are_those_whose_heartbeat_stopped() -> None:
+    activity = Activity()
+    board = Board({1: (4, "forward of step 2"), 2: (5, "backward of step 2")})
+    dog = StallWatchdog(0, 3, activity, warn_after_s=0.04, timeout_s=300, board=board)
+    assert dog.lost_ranks() == {1: "forward of step 2"}
+    assert StallWatchdog(0, 3, activity, warn_after_s=0.04, timeout_s=300, board=None).lost_ranks() is None
