@@ -118,6 +118,9 @@ class Trainer:
             if check:
                 shapes = sorted(self.framework.parameter_shapes().items())
                 self._check_ranks_agree({"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
+            if getattr(self.backend, "listen_address", None):
+                self.progress.line(f"polytrain: rendezvous listens on {self.backend.listen_address}")
+                self.log.write("rendezvous", listen=self.backend.listen_address)
             self.progress.line(
                 f"polytrain: {spec.framework}/{getattr(self.backend, 'label', self.backend.name)} on {world.size} "
                 f"process(es) "

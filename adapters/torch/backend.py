@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
 import re
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,12 +57,45 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
 
     Under torchrun the elastic agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``) and keeps it
     across worker restarts; without a per-restart prefix, restarted workers would read the dead
-    workers' addresses. Elsewhere rank 0 hosts it at the World's master address and port.
+    workers' addresses. Elsewhere rank 0 hosts it at the World's master address and port — on a
+    loopback master only on that address (TCPStore alone would listen on every interface).
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size,
-                          is_master=world.rank == 0 and not agent_store, timeout=timeout)
+    hosting = world.rank == 0 and not agent_store
+    listen_fd = None
+    if hosting and is_loopback(str(world.master_addr)):
+        listener = socket.socket(socket.AF_INET6 if ":" in str(world.master_addr) else socket.AF_INET)
+        listener.bind((str(world.master_addr), int(world.master_port)))
+        listener.listen(max(128, world.size))
+        _LISTENERS.append(listener)  # the store serves on it for the life of the process
+        listen_fd = listener.fileno()
+    store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size, is_master=hosting,
+                          timeout=timeout, master_listen_fd=listen_fd)
     return dist.PrefixStore(store_prefix(), store)
+
+
+_LISTENERS: list[socket.socket] = []
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host) if host == "localhost" else host).is_loopback
+    except (ValueError, OSError):
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def listen_address(world: World) -> str:
+    """Where this job's rendezvous and collectives listen (for the start-up log)."""
+    if is_loopback(str(world.master_addr)):
+        return f"{world.master_addr}:{world.master_port} (single node: loopback only)"
+    return f"all interfaces, port {world.master_port} (multi-node; master {world.master_addr})"
 
 
 def rendezvous_error(exc: BaseException, world: World, timeout_s: float) -> Exception:
@@ -117,6 +152,11 @@ class TorchBackend:
 
         world = ensure_master(self.world)
         self._store_endpoint = (str(world.master_addr), int(world.master_port))
+        if is_loopback(str(world.master_addr)) and "GLOO_SOCKET_IFNAME" not in os.environ:
+            interface = loopback_interface()  # every rank is on this host: gloo needs no other interface
+            if interface:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
+        self.listen_address = listen_address(world)
         reliability = self.spec.reliability
         try:
             store = rendezvous_store(world, timeout=datetime.timedelta(seconds=reliability.startup_timeout_s))

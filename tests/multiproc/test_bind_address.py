@@ -1,0 +1,79 @@
+"""A single-node job listens on loopback only: the rendezvous store rank 0 hosts and gloo's sockets.
+
+Two ranks started with torchrun-style variables and MASTER_ADDR=127.0.0.1, no GLOO_SOCKET_IFNAME
+(as a user's shell would have it). While they train, every TCP socket either process listens on
+(read from /proc) must be bound to 127.0.0.1; rank 0 logs where it listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from procs import REPO, free_port, loopback_env
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(200)]
+
+
+def listening(pids: set[int]) -> set[str]:
+    """``address:port`` of every listening TCP socket owned by ``pids``."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address, port = local.split(":")
+            if width == 8:
+                host = ".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            else:
+                host = "::" if set(address) == {"0"} else address
+            found.add(f"{host}:{int(port, 16)}")
+    return found
+
+
+def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    port = free_port()
+    env = loopback_env(WORLD_SIZE="2", MASTER_PORT=str(port), POLYTRAIN_TEST_TOKEN=uuid.uuid4().hex)
+    env.pop("GLOO_SOCKET_IFNAME")
+    procs = []
+    try:
+        for rank in (0, 1):
+            cmd = [sys.executable, "-m", "polytrain.cli", "train", "--set", "loop.epochs=3",
+                   "--set", f"output={tmp_path / str(rank)}"]
+            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank)}, cwd=REPO, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
+        seen: set[str] = set()
+        deadline = time.monotonic() + 150
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            seen |= listening({p.pid for p in procs})
+            time.sleep(0.05)
+        outputs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:]
+    assert f"127.0.0.1:{port}" in seen  # the store was seen listening
+    assert all(address.startswith("127.0.0.1:") for address in seen), seen
+    assert f"rendezvous listens on 127.0.0.1:{port} (single node: loopback only)" in outputs[0][1]
+    events = [json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()]
+    assert {"event": "rendezvous", "listen": f"127.0.0.1:{port} (single node: loopback only)"}.items() <= \
+        next(e for e in events if e["event"] == "rendezvous").items()
