@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from polytrain.errors import LaunchError
 from polytrain.launchers.base import (
     LAUNCHER_NAMES,
+    SPEC_SUFFIXES,
     HorovodOptions,
     LaunchRequest,
     SlurmOptions,
@@ -109,9 +111,11 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
     target, program_args, extra_args = _split_command(list(args.launch_command))
     if args.launcher not in LAUNCHER_NAMES:
         raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHER_NAMES)}; got {args.launcher!r}")
-    if args.hosts and args.hostfile:
+    if args.hosts is not None and args.hostfile is not None:
         raise LaunchError("give either -H/--hosts or --hostfile, not both")
-    hosts = parse_hosts_string(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile else []
+    # `is not None`: an empty -H "" is a mistake to report, not a flag to ignore
+    hosts = (parse_hosts_string(args.hosts) if args.hosts is not None
+             else read_hostfile(args.hostfile) if args.hostfile is not None else [])
     nproc = _number(args.nproc, "-np")
     if nproc is None:
         if not hosts:
@@ -171,4 +175,36 @@ def launch_from_args(args: argparse.Namespace) -> int:
             raise LaunchError(f"{flag} {target}: cannot write it ({exc.strerror or exc})") from exc
         print(f"wrote {target}; submit it with: {submit.format(target)}", file=sys.stderr)
         return 0
+    if not args.dry_run:
+        check_spec(args.launch_command, local=not req.hosts)
     return run(req, dry_run=args.dry_run)
+
+
+def _set_values(program_args: Sequence[str]) -> list[str]:
+    """The ``--set KEY=VALUE`` overrides among the arguments for ``polytrain train``."""
+    values = []
+    for i, arg in enumerate(program_args):
+        if arg == "--set":
+            values.append(program_args[i + 1] if i + 1 < len(program_args) else "")
+        elif arg.startswith("--set="):
+            values.append(arg.removeprefix("--set="))
+    return values
+
+
+def check_spec(command: Sequence[str], *, local: bool = True) -> None:
+    """Reject a bad spec here, once, rather than in every worker (N copies of the same error, then the
+    launcher's own report). Only for specs (not scripts); with remote hosts only when the file is here.
+
+    A model given as an import path (``package.module:factory``) is not imported here: the workers may
+    have a PYTHONPATH (``-x PYTHONPATH=...``) this process has not.
+    """
+    target, program_args, _ = _split_command(list(command))
+    if not target.endswith(SPEC_SUFFIXES) or not (local or Path(target).is_file()):
+        return
+    from polytrain import registry, zoo
+    from polytrain import spec as spec_mod
+
+    raw = spec_mod.apply_overrides(spec_mod.load_raw(target), _set_values(program_args))
+    spec = spec_mod.from_dict(raw, validate_components=False)
+    if not zoo.is_import_path(spec.model.name):
+        registry.validate(spec)

@@ -78,7 +78,8 @@ def _parse_line(line: str, where: str) -> Host:
         fields[key] = _positive(value, key, where)
     slots = fields.get("slots", 1)
     if fields.get("max_slots", slots) < slots:
-        raise LaunchError(f"{where}: max_slots={fields['max_slots']} is less than slots={slots}")
+        raise LaunchError(f"{where}: max_slots={fields['max_slots']} is less than slots={slots} "
+                          f"(max_slots must be >= slots)")
     return name, slots
 
 
