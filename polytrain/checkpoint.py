@@ -63,10 +63,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _contiguous(value: np.ndarray) -> np.ndarray:
+    """A C-contiguous array of the same shape: a 0-d scalar (Adam's ``step``) stays 0-d, where
+    ``np.ascontiguousarray`` would make it shape (1,) and no longer a scalar to the frameworks."""
+    return np.ascontiguousarray(value) if np.ndim(value) else np.asarray(value)
+
+
 def _tensor_bytes(state: Mapping[str, np.ndarray]) -> bytes:
     from safetensors.numpy import save
 
-    return save({k: np.ascontiguousarray(v) for k, v in state.items()})
+    return save({k: _contiguous(v) for k, v in state.items()})
 
 
 def state_digest(state: Mapping[str, np.ndarray]) -> str:
@@ -93,11 +99,28 @@ def write_model(path: Path, state: Mapping[str, np.ndarray], manifest: Mapping[s
     _fsync_dir(path)
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def read_model(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read what `write_model` wrote (no unpickling)."""
     from safetensors.numpy import load_file
 
-    return load_file(str(path / "model.safetensors")), json.loads((path / "model.json").read_text())
+    hint = "give a run's output directory with an intact model.safetensors and model.json, or a checkpoint"
+    try:
+        state = load_file(str(path / "model.safetensors"))
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint: cannot read {path / 'model.safetensors'} ({exc.strerror or exc})") from exc
+    except Exception as exc:  # safetensors raises its own error types for malformed headers
+        raise CheckpointError(f"checkpoint: {path / 'model.safetensors'} is not a valid safetensors file "
+                              f"({_one_line(exc)}); {hint}") from exc
+    try:
+        manifest = json.loads((path / "model.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint: {path / 'model.json'} is missing or corrupt ({_one_line(exc)}); "
+                              f"{hint}") from exc
+    return state, manifest
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -168,11 +191,20 @@ def verify(path: Path) -> dict[str, Any]:
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint: {path} has no manifest.json (not a polytrain checkpoint)") from exc
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint: {manifest_path} is unreadable or corrupt: {exc}") from exc
+        raise CheckpointError(f"checkpoint: {manifest_path} is unreadable or corrupt: {_one_line(exc)}") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint: {manifest_path} is corrupt: expected a JSON object, "
+                              f"got {type(manifest).__name__}")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint: {path} has format version {manifest.get('format_version')!r}; "
                               f"this polytrain reads version {FORMAT_VERSION}")
-    for name, meta in manifest.get("files", {}).items():
+    files = manifest.get("files", {})
+    if not isinstance(files, dict) or not all(
+            isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)
+            for meta in files.values()):
+        raise CheckpointError(f"checkpoint: {manifest_path} is corrupt: 'files' must map each file name to its "
+                              f"bytes and sha256")
+    for name, meta in files.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"checkpoint: {file} is missing or truncated (expected {meta['bytes']} bytes)")
@@ -204,13 +236,24 @@ def resolve(resume: str, root: Path) -> Path | None:
     if resume == "auto":
         return find_latest(root)
     path = Path(resume)
-    if path.is_dir() and not (path / "manifest.json").exists():  # a checkpoint root was given
-        latest = find_latest(path)
-        if latest is None:
-            raise CheckpointError(f"--resume: no complete checkpoint in {path}")
-        return latest
     if not path.exists():
         raise CheckpointError(f"--resume: {path} does not exist (give a checkpoint directory or 'auto')")
+    if not path.is_dir():
+        raise CheckpointError(f"--resume: {path} is a file; give a checkpoint directory (step-NNNNNNNN), the "
+                              f"checkpoint root that holds them, or 'auto'")
+    if not (path / "manifest.json").exists():  # a checkpoint root was given
+        latest = find_latest(path)
+        if latest is None:
+            raise CheckpointError(f"--resume: no complete checkpoint in {path}; give a checkpoint directory "
+                                  f"(step-NNNNNNNN) or the root that holds one, or 'auto' (starts from scratch "
+                                  f"when checkpoint.dir holds none)")
+        return latest
+    try:  # checked here too so that the message names the flag and what to give instead
+        verify(path)
+    except CheckpointError as exc:
+        detail = str(exc).removeprefix("checkpoint: ")
+        raise CheckpointError(f"--resume: {detail}; give another checkpoint (an earlier step), or the "
+                              f"checkpoint root to take the newest one that verifies") from exc
     return path
 
 
@@ -224,5 +267,6 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, np.
         try:
             tensors[name.removesuffix(".safetensors")] = load_file(str(path / name))
         except Exception as exc:  # safetensors raises its own error types for malformed headers
-            raise CheckpointError(f"checkpoint: {path / name} is not a valid safetensors file: {exc}") from exc
+            raise CheckpointError(f"checkpoint: {path / name} is not a valid safetensors file: "
+                                  f"{_one_line(exc)}") from exc
     return manifest, tensors

@@ -4,15 +4,18 @@
 - convert ``--to safetensors|torch|keras``: plain single-file model weights for use without polytrain
   (``torch`` = a ``state_dict`` file for ``torch.load(weights_only=True)``; ``keras`` = a
   ``.weights.h5`` of the Keras zoo model, built with the TensorFlow adapter's conventions).
-- import: a DeepSpeed ZeRO checkpoint directory (consolidated with ``zero_to_fp32``) or a plain torch
-  ``state_dict`` file becomes a polytrain checkpoint that ``polytrain train --resume PATH`` accepts.
-  Loading a torch file uses ``weights_only=True``; anything that needs pickle is refused unless
+- import: a DeepSpeed ZeRO checkpoint directory (read by `polytrain.export.deepspeed_fp32_state`: the
+  step named in its ``latest``, ZeRO-0 with ``weights_only=True``, ZeRO 1-3 consolidated by DeepSpeed's
+  ``zero_to_fp32``) or a plain torch ``state_dict`` file becomes a polytrain checkpoint that
+  ``polytrain train --resume PATH`` accepts. Loading a torch file uses ``weights_only=True``; anything
+  that needs pickle (including DeepSpeed's loader for ZeRO 1-3) is refused unless
   ``--trust-checkpoint`` is given.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,13 +29,30 @@ from polytrain.errors import UserError
 def _load_any(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
     """A checkpoint directory, or a final model directory (model.safetensors + model.json)."""
     if (path / "manifest.json").is_file():
-        return ckpt.load_checkpoint(path)
+        try:
+            return ckpt.load_checkpoint(path)
+        except ckpt.CheckpointError as exc:
+            raise ckpt.CheckpointError(f"{exc}; give another checkpoint (an earlier step), or the checkpoint root "
+                                       f"to take the newest one that verifies") from exc
     if (path / "model.safetensors").is_file():
         state, manifest = ckpt.read_model(path)
         return manifest, {"model": state}
     if path.is_dir() and (latest := ckpt.find_latest(path)) is not None:
         return ckpt.load_checkpoint(latest)
-    raise ckpt.CheckpointError(f"checkpoint: {path} is neither a polytrain checkpoint nor a model directory")
+    if path.is_dir() and (damaged := ckpt.complete_checkpoints(path)):
+        ckpt.verify(damaged[-1])  # none verifies: say what is wrong with the newest
+    missing = "" if path.exists() else " (it does not exist)"
+    raise ckpt.CheckpointError(f"checkpoint: {path} is neither a polytrain checkpoint nor a model directory{missing}; "
+                               f"give a checkpoint directory (step-NNNNNNNN), a checkpoint root or a run's output "
+                               f"directory")
+
+
+def _check_output(output: Path) -> None:
+    """``-o``: its directory must exist (nothing is created on the way)."""
+    if not output.parent.is_dir():
+        raise UserError(f"-o {output}: directory {output.parent} does not exist; create it or give another path")
+    if output.is_dir():
+        raise UserError(f"-o {output}: is a directory; give a file name")
 
 
 def inspect(path: Path) -> str:
@@ -53,14 +73,19 @@ def inspect(path: Path) -> str:
 def convert(path: Path, to: str, output: Path) -> Path:
     manifest, tensors = _load_any(path)
     model = tensors["model"]
+    _check_output(output)
     if to == "safetensors":
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
 
-        save_file({k: np.ascontiguousarray(v) for k, v in model.items()}, str(output))
+        _write(output, save({k: np.ascontiguousarray(v) for k, v in model.items()}))
     elif to == "torch":
+        import io
+
         import torch
 
-        torch.save({k: torch.from_numpy(np.array(v)) for k, v in model.items()}, output)
+        buffer = io.BytesIO()
+        torch.save({k: torch.from_numpy(np.array(v)) for k, v in model.items()}, buffer)
+        _write(output, buffer.getvalue())
     elif to == "keras":
         from polytrain import spec as spec_mod
         from polytrain.adapters.tensorflow.framework import TensorFlowFramework
@@ -78,16 +103,31 @@ def convert(path: Path, to: str, output: Path) -> Path:
     return output
 
 
+def _write(output: Path, data: bytes) -> None:
+    try:
+        output.write_bytes(data)
+    except OSError as exc:
+        raise UserError(f"-o {output}: cannot write it ({exc.strerror or exc}); give a path in a writable "
+                        f"directory") from exc
+
+
 def _torch_state_dict(path: Path, trust: bool) -> dict[str, np.ndarray]:
     import torch
 
+    if not path.is_file():
+        raise UserError(f"checkpoint import: {path} does not exist (give a DeepSpeed checkpoint directory or a "
+                        f"torch state_dict file)")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=not trust)
+        with warnings.catch_warnings():  # torch warns about pickle protocols before refusing the file anyway
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=not trust)
     except Exception as exc:  # torch raises UnpicklingError and others for files that need full pickle
-        if trust:
-            raise UserError(f"checkpoint import: cannot read {path}: {exc}") from exc
-        raise UserError(f"checkpoint import: {path} needs pickle to load; pass --trust-checkpoint only if you "
-                        f"trust its source") from exc
+        detail = " ".join(str(exc).split())[:200]
+        if not trust and "Weights only load failed" in str(exc):
+            raise UserError(f"checkpoint import: {path} needs pickle to load; pass --trust-checkpoint only if you "
+                            f"trust its source") from exc
+        raise UserError(f"checkpoint import: {path} is not a torch state_dict file ({type(exc).__name__}: "
+                        f"{detail}); give a DeepSpeed checkpoint directory or a file written by torch.save") from exc
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(torch.is_tensor(v) for v in obj.values()):
@@ -104,16 +144,21 @@ def _plain_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
-def _deepspeed_state(path: Path) -> dict[str, np.ndarray]:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+def _deepspeed_state(path: Path, trust: bool, tag: str | None) -> dict[str, np.ndarray]:
+    """The fp32 weights of a DeepSpeed checkpoint directory, through `polytrain.export` (every ZeRO stage)."""
+    from polytrain.export import deepspeed_fp32_state, deepspeed_needs_unpickling
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(path))
-    return {_plain_name(k): v.float().numpy() for k, v in state.items()}
+    if not trust and deepspeed_needs_unpickling(path, tag):
+        raise UserError(f"checkpoint import: {path} needs pickle to load (DeepSpeed's own loader reads ZeRO stage "
+                        f"1-3 checkpoints); pass --trust-checkpoint only if you trust its source")
+    return {_plain_name(k): v for k, v in deepspeed_fp32_state(path, tag).items()}
 
 
 def import_weights(source: Path, spec_path: Path | None, overrides: list[str], output: Path,
-                   trust: bool = False) -> Path:
-    """Write a polytrain checkpoint (step 0, model only) from a DeepSpeed dir or a torch state_dict file."""
+                   trust: bool = False, tag: str | None = None) -> Path:
+    """Write a polytrain checkpoint (step 0, model only) from a DeepSpeed dir or a torch state_dict file.
+
+    ``tag``: the DeepSpeed step folder to read (default: the one its ``latest`` file names)."""
     from polytrain import spec as spec_mod
 
     spec = spec_mod.load(spec_path, overrides)
@@ -121,14 +166,18 @@ def import_weights(source: Path, spec_path: Path | None, overrides: list[str], o
         if not (source / "latest").is_file() and not any(source.glob("*/mp_rank_*_model_states.pt")):
             raise UserError(f"checkpoint import: {source} is not a DeepSpeed checkpoint directory "
                             f"(no 'latest' file or global_step*/ folders)")
-        state = _deepspeed_state(source)
+        state = _deepspeed_state(source, trust, tag)
     else:
         state = _torch_state_dict(source, trust)
     manifest = {"spec": spec.to_dict(), "spec_digest": spec.digest(), "model_digest": spec.model_digest(),
                 "framework": spec.framework, "backend": "import", "world_size": 1, "epoch": 0,
                 "step_in_epoch": 0, "samples_in_epoch": 0, "global_batch": 0, "rng_states": [],
                 "imported_from": str(source)}
-    return ckpt.save_checkpoint(output, 0, {"model": state}, manifest)
+    try:
+        return ckpt.save_checkpoint(output, 0, {"model": state}, manifest)
+    except OSError as exc:
+        raise UserError(f"-o {output}: cannot write the checkpoint there ({exc.strerror or exc}); give a "
+                        f"directory that can be created or written") from exc
 
 
 def describe_json(path: Path) -> str:

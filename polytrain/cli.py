@@ -7,9 +7,11 @@ Bad input ends with one line on stderr naming the field or flag, and exit code 2
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from polytrain.errors import TrainingFailure, UserError
 
@@ -21,11 +23,32 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _check_writable(flag: str, path: str) -> None:
+    """Fail before the work, not after it, when ``path`` cannot be written: the nearest existing
+    directory on its way must be a writable directory (the rest is created when writing)."""
+    existing = Path(path).absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: cannot write it ({existing} is not a directory); give a path in a "
+                        f"writable directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: cannot write it ({existing} is not writable); give a path in a "
+                        f"writable directory")
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from polytrain import spec as spec_mod
-    from polytrain.trainer import Trainer
 
     spec = spec_mod.load(args.spec, args.set or ())
+    if args.timeline:
+        _check_writable("--timeline", args.timeline)
+    if not args.debug:
+        # torch's C++ side logs its own errors (with C++ stack frames) before raising them; polytrain
+        # reports each failure in one line, so only fatal C++ messages stay (set the variable to see all).
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    from polytrain.trainer import Trainer
+
     Trainer(spec, show_progress=not args.quiet, resume=args.resume, timeline=args.timeline,
             verbose=args.verbose).fit()
     return 0
@@ -58,7 +81,8 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
         print(f"wrote {tools.convert(Path(args.path), args.to, out)}")
     else:
         spec = Path(args.spec) if args.spec else None
-        out = tools.import_weights(Path(args.path), spec, args.set or [], Path(args.output), args.trust_checkpoint)
+        out = tools.import_weights(Path(args.path), spec, args.set or [], Path(args.output), args.trust_checkpoint,
+                                   tag=args.tag)
         print(f"wrote {out} (resume from it with: polytrain train SPEC --resume {out})")
     return 0
 
@@ -68,6 +92,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     from polytrain.plot import plot
 
+    _check_writable("-o", args.output)
     print(f"wrote {plot([Path(p) for p in args.runs], Path(args.output))}")
     return 0
 
@@ -113,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     import_p.add_argument("--spec", help="the spec the weights belong to (default: built-in defaults)")
     import_p.add_argument("--set", action="append", metavar="KEY=VALUE")
     import_p.add_argument("-o", "--output", required=True, help="checkpoint root to write step-00000000 into")
+    import_p.add_argument("--tag", help="the DeepSpeed checkpoint tag to import (default: the one in its 'latest')")
     import_p.add_argument("--trust-checkpoint", action="store_true",
                           help="allow unpickling (only for files from a trusted source)")
     checkpoint.set_defaults(func=_cmd_checkpoint)
@@ -125,7 +151,31 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, launchers and which backends are usable here")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
+    for choices in (sub, actions):  # a missing command then lists the allowed ones, not argparse's dest name
+        choices.metavar = "{" + ",".join(choices.choices) + "}"
     return parser
+
+
+def _unrecognized(args: argparse.Namespace, extras: list[str]) -> NoReturn:
+    """argparse's "unrecognized arguments", from the subcommand that got them; a flag that is the name of a
+    spec field (``--epochs``) gets the ``--set`` that sets it."""
+    prog = " ".join(part for part in ("polytrain", args.command, getattr(args, "action", None)) if part)
+    hint = ""
+    if hasattr(args, "set"):
+        from polytrain.spec import field_paths
+
+        for i, arg in enumerate(extras):
+            name, _, value = arg.lstrip("-").partition("=")
+            name = name.replace("-", "_")
+            matches = sorted((path for path in field_paths() if path == name or path.endswith(f".{name}")),
+                             key=lambda path: path.count("."))
+            if arg.startswith("--") and matches:
+                value = value or (extras[i + 1] if i + 1 < len(extras) and not extras[i + 1].startswith("-")
+                                  else "VALUE")
+                hint = f"; spec fields are set with --set, e.g. --set {matches[0]}={value}"
+                break
+    _Parser(prog=prog).exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extras)}{hint} "
+                               f"(see {prog} --help)\n")
 
 
 def abort_mpi_job(code: int, show_traceback: bool = False) -> None:
@@ -152,7 +202,9 @@ def abort_mpi_job(code: int, show_traceback: bool = False) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unrecognized(args, extras)
     try:
         return int(args.func(args) or 0)
     except (UserError, TrainingFailure) as exc:

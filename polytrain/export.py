@@ -40,16 +40,27 @@ def _resolve_tag(checkpoint_dir: Path, tag: str | None) -> str:
     return latest.read_text().strip()
 
 
+def _step_dir(root: Path, tag: str | None) -> tuple[Path, str]:
+    tag = _resolve_tag(root, tag)
+    step_dir = root / tag
+    if not step_dir.is_dir():
+        raise ExportError(f"checkpoint: {step_dir} does not exist (tag {tag!r})")
+    return step_dir, tag
+
+
+def deepspeed_needs_unpickling(checkpoint_dir: str | Path, tag: str | None = None) -> bool:
+    """Whether reading this DeepSpeed checkpoint takes DeepSpeed's own loader, which unpickles (ZeRO 1–3)."""
+    step_dir, _ = _step_dir(Path(checkpoint_dir), tag)
+    return any(step_dir.glob("*optim_states.pt"))
+
+
 def deepspeed_fp32_state(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, np.ndarray]:
     """The fp32 model weights of a DeepSpeed checkpoint (any ZeRO stage) as name → array."""
     import torch
 
     root = Path(checkpoint_dir)
-    tag = _resolve_tag(root, tag)
-    step_dir = root / tag
-    if not step_dir.is_dir():
-        raise ExportError(f"checkpoint: {step_dir} does not exist (tag {tag!r})")
-    if list(step_dir.glob("*optim_states.pt")):
+    step_dir, tag = _step_dir(root, tag)
+    if deepspeed_needs_unpickling(root, tag):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)

@@ -378,7 +378,8 @@ class Trainer:
                 f"this run's is {self.global_batch}; set data.global_batch_size={manifest['global_batch']}")
         self.framework.load_state(tensors["model"])
         self.framework.load_optimizer_state(tensors.get("optimizer", {}))
-        if manifest["world_size"] == self.world.size and len(manifest.get("rng_states", [])) == self.world.size:
+        same_rng = manifest.get("framework") == self.spec.framework and manifest["world_size"] == self.world.size
+        if same_rng and len(manifest.get("rng_states", [])) == self.world.size:  # another framework's RNG: skip
             self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
         pos = Position(manifest["global_step"], manifest["epoch"], manifest["step_in_epoch"])
         self.progress.line(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "

@@ -105,3 +105,11 @@ def test_kill_during_saves_never_leaves_a_partial_latest(tmp_path: Path) -> None
     assert passed == 20
     assert len(ckpt.complete_checkpoints(tmp_path)) >= 1
     json.loads((ckpt.find_latest(tmp_path) / "manifest.json").read_text())
+
+
+def test_scalars_stay_scalars(tmp_path: Path) -> None:
+    """Adam's ``step`` is 0-d in both frameworks; a checkpoint must not turn it into shape (1,)."""
+    path = ckpt.save_checkpoint(tmp_path, 3, tensors(3), {})
+    _, loaded = ckpt.load_checkpoint(path)
+    assert loaded["optimizer"]["w/step"].shape == () and loaded["optimizer"]["w/step"] == 3.0
+    assert loaded["optimizer"]["w/exp_avg"].shape == (1000, 10)

@@ -230,7 +230,8 @@ class TensorFlowFramework:
                 raise StateMismatchError(f"state: optimizer state for unknown parameter {name!r}")
             value = np.asarray(value)
             layout = entries[index[name]].layout
-            grouped.setdefault(index[name], {})[slot] = from_portable(value, layout) if value.ndim else value
+            scalar = value.ndim == 0 or (slot == "step" and value.size == 1)  # older checkpoints: step as (1,)
+            grouped.setdefault(index[name], {})[slot] = value.reshape(()) if scalar else from_portable(value, layout)
         for i, slots in grouped.items():
             self.optimizer.load_slots(i, slots)
 

@@ -67,7 +67,8 @@ class HorovodBackend(TorchBackend):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        if optimizer.state:  # a fresh optimizer has nothing to send, and Horovod would first run a
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # zero-gradient step (Adam's step -> 1)
         compression = hvd.Compression.fp16 if self.spec.horovod.compression == "fp16" else hvd.Compression.none
         self._optimizer = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression,
@@ -107,7 +108,10 @@ class HorovodBackend(TorchBackend):
         return hvd.allreduce(tensor, op=reduce_op, name=f"polytrain.trainer.{op}").numpy()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=src) if self.world.size > 1 else obj
+        if self.world.size == 1:
+            return obj
+        # One name on every rank: Horovod's default is the object's type, which differs when only the root has one.
+        return self.hvd.broadcast_object(obj, root_rank=src, name="polytrain.trainer.broadcast_object")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return list(self.hvd.allgather_object(obj)) if self.world.size > 1 else [obj]
