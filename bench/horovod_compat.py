@@ -3,7 +3,8 @@
 Run:  python bench/horovod_compat.py [--steps N] [--max-mib M]
 
 It starts itself under ``mpirun -np 2`` once per implementation (real Horovod when it
-imports; the shim with and without its metadata check) and prints:
+imports, on MPI under mpirun and on gloo under ``horovodrun --gloo``; the shim with and
+without its metadata check) and prints:
 
 * step time of the same 6.3 M-parameter MLP (SGD, batch 64 per rank) with
   (a) ``horovod.torch.DistributedOptimizer``, (b) the shim's, (c) DDP; targets (b)/(a) <= 0.9
@@ -138,10 +139,16 @@ def launch(mode: str, steps: int, max_kib: int, out_dir: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX", "MASTER_", "TORCHELASTIC"))}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl_tcp_if_include="lo",
-               POLYTRAIN_HOROVOD_IMPL="horovod" if mode == "horovod" else "shim",
+               POLYTRAIN_HOROVOD_IMPL="horovod" if mode.startswith("horovod") else "shim",
                POLYTRAIN_HOROVOD_METADATA_CHECK="0" if mode == "shim-nocheck" else "1")
-    cmd = [str(BIN / "mpirun"), "--oversubscribe", "--map-by", "slot", "-np", "2", sys.executable, __file__,
-           "--worker", mode, "--steps", str(steps), "--max-mib", str(max_kib // 1024), "--out", out_dir]
+    worker = [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--max-mib", str(max_kib // 1024),
+              "--out", out_dir]
+    if mode == "horovod-gloo":  # real Horovod on gloo over TCP, like the shim: horovodrun's gloo mode
+        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+        cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "--network-interface", "lo",
+               *worker]
+    else:
+        cmd = [str(BIN / "mpirun"), "--oversubscribe", "--map-by", "slot", "-np", "2", *worker]
     subprocess.run(cmd, env=env, check=True, timeout=1800, stdout=subprocess.DEVNULL)
     return [json.loads((Path(out_dir) / f"{mode}.rank{r}.json").read_text()) for r in range(2)]
 
@@ -162,6 +169,10 @@ def report(runs: dict[str, list[dict]]) -> None:
         a = slower(real, "step")
         print(f"  (a) Horovod {a * 1e3:8.1f}   (b) shim {b * 1e3:8.1f}   (c) DDP {c * 1e3:8.1f}")
         print(f"  (b)/(a) = {b / a:.3f} (target <= 0.9)   (b)/(c) = {b / c:.3f} (target <= 1.05)")
+        print("  (a) runs Horovod's allreduce on MPI (Open MPI's shared-memory transport); the shim and DDP on gloo/TCP")
+    if "horovod-gloo" in runs:
+        a_gloo = slower(runs["horovod-gloo"], "step")
+        print(f"  (a') Horovod with HOROVOD_CPU_OPERATIONS=gloo {a_gloo * 1e3:8.1f}   (b)/(a') = {b / a_gloo:.3f}")
     else:
         print(f"  (b) shim {b * 1e3:8.1f}   (c) DDP {c * 1e3:8.1f}   (Horovod not installed)")
         print(f"  (b)/(c) = {b / c:.3f} (target <= 1.05)")
@@ -200,7 +211,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from polytrain.horovod.common import _import_error
 
-    modes = ["shim", "shim-nocheck"] + (["horovod"] if _import_error("horovod.torch") is None else [])
+    modes = ["shim", "shim-nocheck"] + (["horovod", "horovod-gloo"] if _import_error("horovod.torch") is None else [])
     with tempfile.TemporaryDirectory() as out_dir:
         runs = {mode: launch(mode, args.steps, args.max_mib * 1024, out_dir) for mode in modes}
     report(runs)
