@@ -28,7 +28,8 @@ class FaultyMLP(nn.Module):
             self.calls += 1
             first_attempt = max(int(os.environ.get(v, "0")) for v in ("TORCHELASTIC_RESTART_COUNT",
                                                                        "POLYTRAIN_RESTART_COUNT")) == 0
-            if (first_attempt and os.environ.get("RANK") == os.environ.get("FAULT_RANK")
+            rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))  # torchrun-style, or mpirun
+            if (first_attempt and rank == os.environ.get("FAULT_RANK")
                     and self.calls == int(os.environ.get("FAULT_AT", "-1"))):
                 if os.environ.get("FAULT_MODE") == "sleep":  # a stalled rank (stuck I/O, a debugger)
                     time.sleep(float(os.environ.get("FAULT_SLEEP", "10")))

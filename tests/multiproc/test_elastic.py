@@ -56,3 +56,29 @@ def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path: Path, launcher
     assert manifest["global_step"] == clean_manifest["global_step"] == 46
     for name, arr in clean_state.items():
         np.testing.assert_array_equal(state[name], arr)
+
+
+def test_under_mpirun_a_dead_rank_ends_the_job_and_resume_auto_continues(tmp_path: Path) -> None:
+    """mpirun cannot restart a rank: the job ends non-zero naming the lost rank; the same command with
+    --resume auto continues from the newest checkpoint and ends with the uninterrupted run's weights."""
+    clean = tmp_path / "clean"
+    spec = spec_file(tmp_path)
+    check(run([sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", "2", spec,
+               *sets(clean)], env=env(-1)))
+    killed = tmp_path / "killed"
+    cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "FAULT_RANK", "-x", "FAULT_AT", "-x", "PYTHONPATH",
+           sys.executable, "-m", "polytrain.cli", "train", spec, *sets(killed)]
+    mpi_env = env(fault_at=27)
+    mpi_env.pop("MASTER_ADDR")
+    first = run(cmd, env=mpi_env)
+    assert first.returncode != 0
+    assert "process rank 1 with PID" in first.stdout + first.stderr and "signal 9" in first.stdout + first.stderr
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step-00000020"
+    check(run([*cmd, "--resume", "auto"], env=mpi_env))
+    events = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [20]
+    clean_state, _ = read_model(clean)
+    state, manifest = read_model(killed)
+    assert manifest["global_step"] == 46 and manifest["backend"] == "ddp"
+    for name, arr in clean_state.items():
+        np.testing.assert_array_equal(state[name], arr)
