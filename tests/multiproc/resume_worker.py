@@ -25,7 +25,7 @@ def main(plan_json: str) -> None:
     plan = json.loads(plan_json)
     world = detect_world()
     specs = [spec_mod.load(None, [*plan["sets"], f"output={r['output']}"]) for r in plan["runs"]]
-    group = world.size > 1 and specs[0].backend != "mpi"
+    group = world.size > 1 and specs[0].framework == "torch" and specs[0].backend != "mpi"
     if group:
         import torch.distributed as dist
 

@@ -287,3 +287,86 @@ def test_tensorflow_checkpoint_resumes_in_torch(tmp_path: Path) -> None:
         failures += [f"tensorflow → torch {name}: {p}" for p in problems]
     assert not failures, "\n".join(failures)
 
+
+
+# ------------------------------------------------------------------------------ TensorFlow backends
+
+TF_COMMON = ("framework=tensorflow",)
+TF_SOURCES = {
+    "tf-local": Job(1, (*TF_COMMON, "backend=local"), "python"),
+    "tf-multiworker": Job(2, (*TF_COMMON, "backend=tf-multiworker"), "polytrain-local"),
+    "tf-mpi": Job(2, (*TF_COMMON, "backend=mpi"), "mpirun"),
+    "tf-horovod": Job(2, (*TF_COMMON, "backend=horovod"), "mpirun"),
+}
+
+
+def tf_command(job: Job, program: list[str]) -> tuple[list[str], dict[str, str]]:
+    if job.launcher != "polytrain-local":
+        cmd, env = command(job, program)
+        return cmd, {**env, **tf_env()}
+    # polytrain's own launcher: it starts `python PROGRAM...` on each rank with torchrun-style variables
+    return ([sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", str(job.nproc),
+             *program], {**loopback_env(), **tf_env()})
+
+
+def tf_train(job: Job, out: Path, sets: list[str], resume: Path | None = None) -> None:
+    args = ["--quiet", *[a for s in [*COMMON, *job.sets, f"output={out}", *sets] for a in ("--set", s)]]
+    if resume is not None:
+        args += ["--resume", str(resume)]
+    if job.launcher == "polytrain-local":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        spec = out.parent / f"{out.name}.spec.yaml"
+        spec.write_text("framework: tensorflow\n")
+        cmd, env = tf_command(job, [str(spec), *args])
+    else:
+        cmd, env = tf_command(job, ["-m", "polytrain.cli", "train", *args])
+    check(run(cmd, env=env, timeout=400))
+
+
+@pytest.fixture(scope="module")
+def tf_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("mpi4py")
+    from polytrain.horovod.common import _import_error
+
+    root = tmp_path_factory.mktemp("tf-sources")
+    names = [n for n in TF_SOURCES if n != "tf-horovod" or _import_error("horovod.tensorflow") is None]
+    out = {}
+    for name in names:
+        tf_train(TF_SOURCES[name], root / name, [f"checkpoint.every_n_steps={SAVED}"])
+        out[name] = Run.read(root / name)
+    return out
+
+
+@pytest.mark.timeout(1200)
+def test_tensorflow_backends_resume_each_other(tf_sources: dict[str, Run], tmp_path: Path) -> None:
+    """Every ordered pair of TensorFlow backends (local, tf-multiworker, mpi, horovod): the target continues
+    the source's step-10 checkpoint exactly as the source went on. tf-multiworker can join its cluster once
+    per process, so it resumes in one launch per source; the others resume from every source in one launch."""
+    names = list(tf_sources)
+    failures, report = [], []
+    local = tf_sources["tf-local"]
+    for name, source in tf_sources.items():  # every TF backend trains like one process
+        assert relative(list(source.losses.values()), list(local.losses.values())) < TOLERANCE, name
+    for target in names:
+        job = TF_SOURCES[target]
+        checkpoints = {name: tf_sources[name].checkpoint for name in names}
+        if job.launcher == "polytrain-local":
+            resumed = {}
+            for name, path in checkpoints.items():
+                tf_train(job, tmp_path / target / name, [], resume=path)
+                resumed[name] = Run.read(tmp_path / target / name)
+        else:
+            outs = {name: tmp_path / target / name for name in checkpoints}
+            plan = {"sets": [*COMMON, *job.sets],
+                    "runs": [{"output": str(outs[n]), "resume": str(p)} for n, p in checkpoints.items()]}
+            cmd, env = tf_command(job, [WORKER, json.dumps(plan)])
+            check(run(cmd, env=env, timeout=500))
+            resumed = {name: Run.read(out) for name, out in outs.items()}
+        for name, run_ in resumed.items():
+            assert (run_.manifest["backend"], run_.manifest["world_size"]) == (job.backend, job.nproc)
+            problems, differences = continuation_problems(run_, tf_sources[name], TOLERANCE)
+            report.append(f"{name}→{target}: {differences}")
+            failures += [f"{name}→{target}: {p}" for p in problems]
+    print("\nrelative differences: " + "; ".join(report))
+    assert not failures, "\n".join(failures)
