@@ -156,7 +156,7 @@ class Trainer:
         spec, world, fw, loop = self.spec, self.world, self.framework, self.spec.loop
         timeline = self.timeline
         per_epoch = self.per_epoch
-        total = per_epoch * loop.epochs if loop.max_steps is None else min(loop.max_steps, per_epoch * loop.epochs)
+        total = self._total_steps()
         every_steps, every_epochs = spec.checkpoint.every_n_steps, spec.checkpoint.every_n_epochs
         verify_every = spec.reliability.verify_every_n_steps
         # fp16 runs skip overflowing steps through their loss scaler instead.
@@ -325,6 +325,12 @@ class Trainer:
             **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
             "samples_in_epoch": min(pos.step_in_epoch * self.global_batch, self.per_epoch * self.global_batch),
             "global_batch": self.global_batch, "rng_states": rng,
+            # the learning rate is a function of the step (polytrain.schedule); recorded for readers
+            "lr": lr_at(max(pos.step - 1, 0), optimizer=self.spec.optimizer, schedule=self.spec.schedule,
+                        world_size=self.world.size, steps_per_epoch=self.per_epoch,
+                        total_steps=self._total_steps()),
+            "loss_scaler": self.framework.loss_scaler_state() if hasattr(self.framework, "loss_scaler_state")
+            else None,
         }
         root = self.spec.checkpoint_dir
         try:
@@ -338,6 +344,11 @@ class Trainer:
                 f"({exc.strerror or exc}); {previous}; free space or choose another checkpoint.dir, then "
                 "resume with --resume auto") from exc
         self.log.write("checkpoint", step=pos.step, path=str(path))
+
+    def _total_steps(self) -> int:
+        loop = self.spec.loop
+        total = self.per_epoch * loop.epochs
+        return total if loop.max_steps is None else min(loop.max_steps, total)
 
     def _write_timeline(self) -> None:
         """Gather every rank's timeline events; rank 0 writes them as one Chrome trace."""
@@ -379,6 +390,8 @@ class Trainer:
         self.framework.load_state(tensors["model"])
         self.framework.load_optimizer_state(tensors.get("optimizer", {}))
         same_rng = manifest.get("framework") == self.spec.framework and manifest["world_size"] == self.world.size
+        if manifest.get("loss_scaler") and hasattr(self.framework, "load_loss_scaler_state"):
+            self.framework.load_loss_scaler_state(manifest["loss_scaler"])
         if same_rng and len(manifest.get("rng_states", [])) == self.world.size:  # another framework's RNG: skip
             self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
         pos = Position(manifest["global_step"], manifest["epoch"], manifest["step_in_epoch"])

@@ -151,6 +151,17 @@ class TorchFramework:
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:
         self.backend.load_full_optimizer_state(self.model, self.optimizer, _tensors(state))
 
+    def loss_scaler_state(self) -> dict[str, float] | None:
+        """fp16's dynamic loss scale and growth tracker (None without loss scaling), for checkpoints."""
+        if self.scaler is None:
+            return None
+        return {key: float(value) for key, value in self.scaler.state_dict().items()}
+
+    def load_loss_scaler_state(self, state: Mapping[str, float]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict({key: (int(value) if key in ("growth_interval", "_growth_tracker") else value)
+                                         for key, value in state.items()})
+
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad()  # set_to_none (torch 2 default; Horovod 0.28 takes no argument)
 
