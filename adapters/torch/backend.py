@@ -160,7 +160,7 @@ class TorchBackend:
         reliability = self.spec.reliability
         try:
             store = rendezvous_store(world, timeout=datetime.timedelta(seconds=reliability.startup_timeout_s))
-        except RuntimeError as exc:  # DistNetworkError / DistStoreError
+        except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError, or our loopback bind
             raise rendezvous_error(exc, world, reliability.startup_timeout_s) from None
         store.set_timeout(datetime.timedelta(seconds=reliability.collective_timeout_s))
         timeout = datetime.timedelta(seconds=reliability.collective_timeout_s)

@@ -93,10 +93,10 @@ def test_a_stalled_rank_is_named_by_the_waiting_rank_and_the_run_goes_on(tmp_pat
     result, _ = stalled_run(tmp_path, "10", ["reliability.stall_warning_s=2"])
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "WARNING: no progress" in line]
-    mine = [line for line in warnings if "rank 0: WARNING" in line]
-    assert len(mine) == 1, warnings
-    assert re.search(r"rank 0: WARNING: no progress in backward of step 5 for \d+ s; rank 1 is still in forward of "
-                     r"step 5 \(the job fails after reliability.collective_timeout_s=300 s\)", mine[0]), mine[0]
+    named = [line for line in warnings if re.search(
+        r"rank 0: WARNING: no progress in backward of step 5 for \d+ s; rank 1 is still in forward of step 5 "
+        r"\(the job fails after reliability.collective_timeout_s=300 s\)", line)]
+    assert len(named) == 1, warnings  # once per stalled activity (a loaded machine may add others)
     assert json.loads((tmp_path / "model.json").read_text())["global_step"] == 23
 
 
