@@ -132,6 +132,7 @@ class Trainer:
             if self.timeline.enabled:
                 self.backend.barrier()  # every rank's time zero is the same moment
                 self.timeline.reset_origin()
+            self.activity = "the start of the training loop"  # the stall clock starts now, not at start-up
             self.watchdog = self._start_watchdog()  # from here on every rank runs the same activities
             try:
                 result = self._loop(data, start)

@@ -113,6 +113,7 @@ class StallWatchdog:
         self._stop = threading.Event()
         self._warned_seq = -1
         self._beat = 0
+        self._board_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="polytrain-stall-watchdog", daemon=True)
 
     def start(self) -> StallWatchdog:
@@ -120,8 +121,11 @@ class StallWatchdog:
         return self
 
     def stop(self) -> None:
+        """Stop the thread and wait for it: it may be inside a store call (bounded by the store's timeout),
+        and must not be left running into interpreter shutdown or share the store client with a caller."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
 
     def _run(self) -> None:
         while True:
@@ -141,11 +145,13 @@ class StallWatchdog:
         board = self.board
         if board is None:
             return None
-        try:
-            first = board.read(range(self.size))
-            before = board.beats(range(self.size))
+        try:  # this rank keeps beating meanwhile (its thread runs on), so its peers do not count it lost
+            with self._board_lock:  # one store client, two threads: one call at a time
+                first = board.read(range(self.size))
+                before = board.beats(range(self.size))
             time.sleep(2.2 * self.period)
-            after = board.beats(range(self.size))
+            with self._board_lock:
+                after = board.beats(range(self.size))
         except Exception:
             return None
         return {rank: first.get(rank, (0, "nothing: it never reported"))[1] for rank in range(self.size)
@@ -155,10 +161,12 @@ class StallWatchdog:
         seq, text, since = self.activity.seq, self.activity.text, self.activity.since
         if self.board is not None:
             self._beat += 1
-            self.board.publish(self.rank, seq, text, self._beat)
+            with self._board_lock:
+                self.board.publish(self.rank, seq, text, self._beat)
         waited = time.monotonic() - since
         if waited < self.warn_after_s or seq == self._warned_seq or seq != self.activity.seq:
             return
         self._warned_seq = seq
-        peers = self.board.read(range(self.size)) if self.board is not None else None
+        with self._board_lock:
+            peers = self.board.read(range(self.size)) if self.board is not None else None
         self.emit(stall_message(self.rank, text, waited, peers, seq, self.size, self.timeout_s))

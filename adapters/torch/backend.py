@@ -181,7 +181,7 @@ class TorchBackend:
         from polytrain.watchdog import StoreBoard
 
         client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=10))
+                               timeout=datetime.timedelta(seconds=3))
         return StoreBoard(dist.PrefixStore(f"{store_prefix()}/watchdog", client))
 
     def teardown(self) -> None:
