@@ -12,7 +12,7 @@ import ipaddress
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -126,6 +126,29 @@ def store_prefix() -> str:
     """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("POLYTRAIN_RESTART_COUNT") or "0"
     return f"polytrain/restart_{restart}"
+
+
+class SyncAfterLastBackward:
+    """For backends that average gradients themselves, once per optimizer step: ``sync_gradients()``
+    runs after the backward pass of the last micro-step (the one not run under ``no_sync``)."""
+
+    _skip_sync = False
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        self._skip_sync, previous = True, self._skip_sync
+        try:
+            yield
+        finally:
+            self._skip_sync = previous
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if not self._skip_sync:
+            self.sync_gradients()
+
+    def sync_gradients(self) -> None:
+        raise NotImplementedError
 
 
 class TorchBackend:

@@ -19,19 +19,17 @@ launcher, and on real Horovod wherever real Horovod can form its job.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.backend import SyncAfterLastBackward, TorchBackend
 from polytrain.errors import BackendUnavailableError
 
 
-class HorovodBackend(TorchBackend):
+class HorovodBackend(SyncAfterLastBackward, TorchBackend):
     name = "horovod"
 
     def setup(self) -> None:
@@ -49,7 +47,6 @@ class HorovodBackend(TorchBackend):
                 f"backend: 'horovod' sees rank {hvd.rank()} of {hvd.size()}, but the launcher "
                 f"({self.world.launcher}) says rank {self.world.rank} of {self.world.size}")
         self._optimizer: Any = None
-        self._skip_sync = False
         if self.impl != "horovod" and self.timeline.enabled:  # the shim records each gradient bucket
             from polytrain.horovod.torch import basics
 
@@ -75,21 +72,11 @@ class HorovodBackend(TorchBackend):
             backward_passes_per_step=self.spec.loop.grad_accum_steps, op=hvd.Average)
         return model, self._optimizer
 
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        # The DistributedOptimizer counts backward passes itself; this only tells `backward`
-        # that this micro-step is not the last one of the step.
-        self._skip_sync, previous = True, self._skip_sync
-        try:
-            yield
-        finally:
-            self._skip_sync = previous
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        if not self._skip_sync:
-            with self.timeline.span("synchronize gradients", "collective"):
-                self._optimizer.synchronize()
+    def sync_gradients(self) -> None:
+        # The DistributedOptimizer counts backward passes itself and has started the allreduces
+        # during the last backward; this waits for them.
+        with self.timeline.span("synchronize gradients", "collective"):
+            self._optimizer.synchronize()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool | None:
         with self._optimizer.skip_synchronize():

@@ -8,14 +8,11 @@ parameters and buffers so every rank starts alike. For jobs started by an MPI la
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import torch
 from torch import nn
 
-from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.backend import SyncAfterLastBackward, TorchBackend
 from polytrain.mpi_fusion import MpiCollectives, TrainerCollectivesOverMpi
 
 
@@ -26,14 +23,13 @@ def _host_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     return tensor.detach().cpu().contiguous().numpy(), True
 
 
-class MpiBackend(TrainerCollectivesOverMpi, TorchBackend):
+class MpiBackend(TrainerCollectivesOverMpi, SyncAfterLastBackward, TorchBackend):
     name = "mpi"
 
     def setup(self) -> None:
         self.mpi = MpiCollectives(self.world.rank, self.world.size, self.world.launcher)
         self.mpi.timeline = self.timeline
         self._params: list[nn.Parameter] = []
-        self._skip_sync = False
 
     def teardown(self) -> None:
         pass
@@ -48,20 +44,7 @@ class MpiBackend(TrainerCollectivesOverMpi, TorchBackend):
                     tensor.copy_(torch.from_numpy(array))
         return model, optimizer
 
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
-        self._skip_sync, previous = True, self._skip_sync
-        try:
-            yield
-        finally:
-            self._skip_sync = previous
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        if not self._skip_sync:
-            self._average_grads()
-
-    def _average_grads(self) -> None:
+    def sync_gradients(self) -> None:
         if self.mpi.size == 1:
             return
         views = []
