@@ -63,7 +63,8 @@ class TFBackend:
         """Make every rank's ``variables`` equal to rank 0's."""
 
     def average_gradients(self, grads: Sequence[tf.Variable]) -> None:
-        """Replace each accumulated gradient by its mean over ranks, in place."""
+        """Replace each accumulated gradient by its mean over ranks, in place (not called on a backend
+        that `averages_in_graph`: the adapter then runs `average_in_graph` inside its compiled step)."""
 
     def average_in_graph(self, grads: Sequence[tf.Variable]) -> None:
         """`average_gradients`, traced into the caller's ``tf.function``."""

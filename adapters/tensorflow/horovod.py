@@ -57,8 +57,6 @@ class HorovodBackend(TFBackend):
                 f"({self.world.launcher}) says rank {self.world.rank} of {self.world.size}")
         fp16 = self.spec.horovod.compression == "fp16"
         self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
-        self._average_fn: Any = None
-        self._average_source: Sequence[tf.Variable] | None = None
 
     # ---------------------------------------------------------------- training hooks
     def broadcast_variables(self, variables: Sequence[Any]) -> None:
@@ -74,12 +72,6 @@ class HorovodBackend(TFBackend):
                                              compression=self.compression)
         for grad, value in zip(grads, reduced):
             grad.assign(value)
-
-    def average_gradients(self, grads: Sequence[tf.Variable]) -> None:
-        if self._average_source is not grads:
-            self._average_fn = tf.function(lambda: self.average_in_graph(grads))
-            self._average_source = grads
-        self._average_fn()
 
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:

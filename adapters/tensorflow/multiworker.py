@@ -16,7 +16,6 @@ gradients, and ``all_gather`` carries the Trainer's metrics and objects. Keras'
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pickle
@@ -114,9 +113,7 @@ class MultiWorkerBackend(TFBackend):
                                                                   communication_options=options)
         self._worker_device = self.strategy.extended.worker_devices[0]
         self.averages_in_graph = self.world.distributed
-        self._average_fn: Any = None
         self._gather_fns: dict[tuple[tuple[int, ...], str], Any] = {}
-        self._average_source: Sequence[tf.Variable] | None = None
 
     # ---------------------------------------------------------------- collectives through the strategy
     def _on_worker(self, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -158,14 +155,6 @@ class MultiWorkerBackend(TFBackend):
         mine = values if self.world.rank == 0 else [tf.zeros_like(t) for t in values]
         for var, value in zip(variables, self._all_reduce(tf.distribute.ReduceOp.SUM, mine)):
             var.assign(value)
-
-    def average_gradients(self, grads: Sequence[tf.Variable]) -> None:
-        if not self.world.distributed:
-            return
-        if self._average_source is not grads:
-            self._average_fn = tf.function(functools.partial(self.average_in_graph, grads))
-            self._average_source = grads
-        self._average_fn()
 
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
