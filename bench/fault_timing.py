@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from polytrain.world import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -57,12 +58,6 @@ def make(info, hidden: int = 64):  # noqa: ANN001, ANN201 - the model factory th
             return self.body(x)
 
     return Faulty()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def leftovers(token: str) -> int:
