@@ -1,5 +1,6 @@
 """A model factory for fault-injection tests: an MLP whose rank ``FAULT_RANK`` SIGKILLs itself (or, with
-``FAULT_MODE=sleep``, sleeps ``FAULT_SLEEP`` seconds: a stalled rank).
+``FAULT_MODE=sleep``, sleeps ``FAULT_SLEEP`` seconds: a stalled rank; with ``FAULT_MODE=raise``, raises
+a ``RuntimeError``: a bug on one rank).
 
 Used through the spec's import-path escape hatch (``model.name: faulty_model:make``). The kill
 happens at the ``FAULT_AT``-th training forward of the first attempt only (restart count 0), so
@@ -33,6 +34,8 @@ class FaultyMLP(nn.Module):
                     and self.calls == int(os.environ.get("FAULT_AT", "-1"))):
                 if os.environ.get("FAULT_MODE") == "sleep":  # a stalled rank (stuck I/O, a debugger)
                     time.sleep(float(os.environ.get("FAULT_SLEEP", "10")))
+                elif os.environ.get("FAULT_MODE") == "raise":
+                    raise RuntimeError(f"injected failure on rank {rank}")
                 else:
                     os.kill(os.getpid(), signal.SIGKILL)
         return self.head(torch.relu(self.hidden[0](x.flatten(1))))

@@ -108,3 +108,44 @@ def test_a_rank_stalled_past_the_collective_timeout_fails_the_job_in_one_line(tm
     assert re.search(r"polytrain: error: rank 0: a collective failed during backward of step 5: another rank died, "
                      r"stalled or lost its connection", result.stderr), result.stderr[-3000:]
     assert elapsed < 100  # rank 1 sleeps 120 s: the timeout ended the job, not the sleep
+
+
+RAISERS = {
+    "launch": lambda port: [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", "2",
+                            "--master-port", str(port)],
+    "torchrun": lambda port: [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                              f"--master_port={port}", "-m", "polytrain.cli", "train"],
+    "mpirun": lambda port: [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "FAULT_RANK", "-x", "FAULT_AT",
+                            "-x", "FAULT_MODE", "-x", "PYTHONPATH", sys.executable, "-m", "polytrain.cli", "train"],
+}
+
+
+@pytest.mark.parametrize("launcher", list(RAISERS))
+def test_an_exception_on_one_rank_is_reported_once_with_its_traceback(tmp_path: Path, launcher: str) -> None:
+    """A bug on rank 1 (an exception in its forward): the job ends non-zero, and stderr holds rank 1's
+    traceback exactly once — not a copy from the other rank, which only waited for it."""
+    if launcher == "mpirun":
+        pytest.importorskip("mpi4py")
+    sets = ["model.name=faulty_model:make", "loop.epochs=1", "reliability.collective_timeout_s=30",
+            f"output={tmp_path / 'out'}"]
+    spec_args = [a for s in sets for a in ("--set", s)]
+    cmd = [*RAISERS[launcher](free_port()), *spec_args]
+    if launcher == "launch":  # polytrain launch takes a spec file, then polytrain train's arguments
+        spec = tmp_path / "spec.yaml"
+        spec.write_text("model:\n  name: faulty_model:make\n")
+        cmd = [*RAISERS[launcher](free_port()), str(spec), *spec_args]
+    env = loopback_env(PYTHONPATH=str(HERE), FAULT_RANK="1", FAULT_AT="7", FAULT_MODE="raise")
+    if launcher == "mpirun":
+        env.pop("MASTER_ADDR")
+    started = time.monotonic()
+    result = run(cmd, env=env, timeout=240)
+    elapsed = time.monotonic() - started
+    err = result.stderr
+    assert result.returncode != 0
+    assert err.count("RuntimeError: injected failure on rank 1") == 1, err[-4000:]
+    assert 'polytrain/trainer.py", line' in err, err[-4000:]  # the whole traceback, through the trainer
+    rank0_traceback = [line for line in err.splitlines() if line.startswith("[rank0]:")]
+    assert not rank0_traceback, err[-4000:]
+    frames = err.count('faulty_model.py", line')
+    assert frames == 1, err[-4000:]  # the raising frame, once: no second copy of the traceback
+    assert elapsed < 150
