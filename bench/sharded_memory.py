@@ -1,6 +1,6 @@
 """Per-rank memory of DDP, ZeRO-1/2/3 and FSDP full_shard, measured, next to the ZeRO formulas.
 
-Run:  python bench/sharded_memory.py        (starts 2 ranks per backend under torchrun; ~5 min on 2 cores)
+Run:  python bench/sharded_memory.py [BACKEND ...]   (2 ranks per backend under torchrun; all: ~5 min on 2 cores)
 
 A ~10.5 M-parameter MLP (Ψ parameters), Adam, fp32, 2 ranks (N). In the second step,
 after the backward pass and before the optimizer step (gradients and Adam state both
@@ -10,9 +10,13 @@ master copy DeepSpeed keeps of its partition) and other (communication buckets).
 
 The formulas, for fp32 Adam = 4Ψ parameters + 4Ψ gradients + 8Ψ moments = 16Ψ:
 DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N (FSDP full_shard: as ZeRO-3).
-DeepSpeed also keeps an fp32 master copy of each rank's partition in fp32 training
-(+4Ψ/N), which the formula (written for mixed precision, where that copy is part of
-the 12 bytes of optimizer state) does not count for fp32: both ratios are printed.
+DeepSpeed keeps an fp32 master copy of each rank's partition (+4Ψ/N), which the formula (written
+for mixed precision, where that copy is part of the 12 bytes of optimizer state) does not count for
+fp32; polytrain's deepspeed backend makes it share the model's fp32 partition in fp32 training without
+offload, so it should read 0 here. Both ratios are printed (without and with that copy).
+Measured (2 cores, DeepSpeed 0.19.8): ratio DDP 1.000, ZeRO-1 0.934, ZeRO-2 1.120, ZeRO-3 1.000,
+FSDP 1.000. ZeRO-1 and ZeRO-2 hold the same bytes: DeepSpeed's stage 1 also reduces gradients into
+partitions, and in both the partition's gradients live in reduce buffers ~1.6× the partition's size.
 "other" is every further tensor storage created by the backend (communication buckets):
 ZeRO-3 allocates a reduce bucket of ``reduce_bucket_size`` (5e8 elements by default) that
 is mostly never touched, so it shows up there but hardly in RSS. Peak RSS is the
@@ -176,11 +180,14 @@ def launch(name: str, out_file: Path) -> list[dict]:
     return json.loads(out_file.read_text())
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     mib = 2**20
     rows = []
+    unknown = sorted(set(names) - set(BACKENDS))
+    if unknown:
+        sys.exit(f"sharded_memory.py: unknown backend(s) {', '.join(unknown)}; allowed: {', '.join(BACKENDS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in BACKENDS:
+        for name in names or BACKENDS:
             ranks = launch(name, Path(tmp) / f"{name}.json")
             rows.append((name, ranks))
     psi = rows[0][1][0]["params_count"]
@@ -203,6 +210,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        from polytrain.cli import exit_after_training
+
         worker(sys.argv[2], sys.argv[3])
+        exit_after_training()  # not the interpreter's teardown, where gloo's threads may abort the rank
     else:
-        main()
+        main(sys.argv[1:])

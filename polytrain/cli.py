@@ -60,27 +60,31 @@ _trained = False  # a training run finished here: its outputs are written and it
 
 
 def run() -> NoReturn:
-    """The process entry point (console script and ``python -m polytrain.cli``).
-
-    After a successful training run the process ends without the interpreter's final teardown: a gloo
-    worker thread may still be releasing the last collective's tensors, and once the interpreter is
-    finalizing it cannot take the GIL to do so and aborts the process (SIGABRT, "terminate called
-    without an active exception"), turning a finished run into a failed rank. Everything the run wrote
-    is flushed and closed by then; the exit handlers (Horovod's shutdown, TensorBoard, ...) and MPI's
-    finalize still run, while the interpreter is alive. Any other command or outcome exits normally.
-    """
+    """The process entry point (console script and ``python -m polytrain.cli``)."""
     code = main()
     if code == 0 and _trained:
-        import atexit
-
-        atexit._run_exitfuncs()
-        mpi_module = sys.modules.get("mpi4py.MPI")
-        if mpi_module is not None and mpi_module.Is_initialized() and not mpi_module.Is_finalized():
-            mpi_module.Finalize()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_after_training()
     sys.exit(code)
+
+
+def exit_after_training() -> NoReturn:
+    """End a process whose training run succeeded, without the interpreter's final teardown.
+
+    A gloo worker thread may still be releasing the last collective's tensors; once the interpreter is
+    finalizing, that thread cannot take the GIL to do so and aborts the process (SIGABRT, "terminate
+    called without an active exception"), turning a finished run into a failed rank. Everything the run
+    wrote is flushed and closed by then; the exit handlers (Horovod's shutdown, TensorBoard, ...) and
+    MPI's finalize still run here, while the interpreter is alive.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    mpi_module = sys.modules.get("mpi4py.MPI")
+    if mpi_module is not None and mpi_module.Is_initialized() and not mpi_module.Is_finalized():
+        mpi_module.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:

@@ -147,7 +147,38 @@ class DeepSpeedBackend(TorchBackend):
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         engine.set_gradient_accumulation_boundary(True)
         self.engine = engine
+        self._share_fp32_partitions()
         return engine, ds_optimizer
+
+    def _share_fp32_partitions(self) -> None:
+        """fp32 training without offload: ZeRO keeps its "fp32 master" partition as a copy of the model's
+        own fp32 partition (4Ψ/N bytes the ZeRO formula does not have); make it share that storage.
+
+        DeepSpeed updates the master partition, then copies it into the model's (now a copy onto itself)
+        before gathering the partitions; the per-parameter views of the master that its checkpoint and
+        ``safe_get_full_*`` helpers read are relinked, as DeepSpeed does after moving the partition itself. ZeRO-3 means to share them when dtype and device match, but
+        builds the master from a buffer it then replaces (0.19.8), so it is relinked here too.
+        """
+        optimizer = self.engine.optimizer
+        if self.spec.precision != "fp32" or getattr(optimizer, "cpu_offload", False) \
+                or getattr(optimizer, "offload_optimizer", False):
+            return
+        if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2: this rank's slice of each group
+            pairs = [(master, own[dist.get_rank(group=group)]) for master, own, group in zip(
+                optimizer.single_partition_of_fp32_groups, getattr(optimizer, "parallel_partitioned_bit16_groups", []),
+                getattr(optimizer, "real_dp_process_group", []))]
+        else:  # ZeRO-3: one flat partition per sub-group
+            pairs = list(zip(getattr(optimizer, "fp32_partitioned_groups_flat", []),
+                             getattr(optimizer, "fp16_partitioned_groups_flat", [])))
+        shared = False
+        for master, own in pairs:
+            if master.untyped_storage().data_ptr() != own.untyped_storage().data_ptr() \
+                    and (master.dtype, master.device, master.shape) == (own.dtype, own.device, own.shape) \
+                    and torch.equal(master, own):
+                master.data = own.data
+                shared = True
+        if shared and hasattr(optimizer, "_link_all_hp_params"):
+            optimizer._link_all_hp_params()  # the per-parameter views of the master (as DeepSpeed does on reload)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)

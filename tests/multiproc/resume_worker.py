@@ -40,4 +40,7 @@ def main(plan_json: str) -> None:
 
 
 if __name__ == "__main__":
+    from polytrain.cli import exit_after_training
+
     main(sys.argv[1])
+    exit_after_training()
