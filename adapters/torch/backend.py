@@ -91,6 +91,15 @@ def loopback_interface() -> str | None:
     return next((name for name in ("lo", "lo0") if name in names), None)
 
 
+def keep_gloo_on_loopback(world: World) -> None:
+    """On a loopback master every rank is on this host: gloo needs no other interface (unless the user
+    named one with ``GLOO_SOCKET_IFNAME``)."""
+    if is_loopback(str(world.master_addr)) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = loopback_interface()
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
 def listen_address(world: World) -> str:
     """Where this job's rendezvous and collectives listen (for the start-up log)."""
     if is_loopback(str(world.master_addr)):
@@ -175,10 +184,7 @@ class TorchBackend:
 
         world = ensure_master(self.world)
         self._store_endpoint = (str(world.master_addr), int(world.master_port))
-        if is_loopback(str(world.master_addr)) and "GLOO_SOCKET_IFNAME" not in os.environ:
-            interface = loopback_interface()  # every rank is on this host: gloo needs no other interface
-            if interface:
-                os.environ["GLOO_SOCKET_IFNAME"] = interface
+        keep_gloo_on_loopback(world)
         self.listen_address = listen_address(world)
         reliability = self.spec.reliability
         try:

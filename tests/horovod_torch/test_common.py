@@ -8,10 +8,9 @@ from polytrain.errors import BackendUnavailableError, UserError
 from polytrain.horovod import common
 from polytrain.horovod.common import HorovodEnvError, HorovodSettings, topology_from_records, use_real_horovod
 from polytrain.horovod.torch import buckets, stall
-from polytrain.horovod.torch.basics import rendezvous_url, select_backend
+from polytrain.horovod.torch.basics import select_backend
 from polytrain.horovod.torch.collectives import reducescatter_rows, resolve_op, scale_
 from polytrain.horovod.torch.compression import Compression
-from polytrain.world import World
 
 HOROVOD_IMPORTS = common._import_error("horovod.torch") is None
 
@@ -80,12 +79,6 @@ def test_backend_selection():
     assert select_backend(cuda_available=False, nccl_available=True) == "gloo"
     assert select_backend(cuda_available=True, nccl_available=False) == "gloo"
     assert select_backend(cuda_available=True, nccl_available=True) == "cpu:gloo,cuda:nccl"
-
-
-def test_rendezvous_url():
-    world = World(rank=1, size=2, master_addr="10.0.0.5", master_port=1234, launcher="openmpi")
-    assert rendezvous_url(world, {}) == "tcp://10.0.0.5:1234"
-    assert rendezvous_url(world, {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": "1234"}) == "env://"
 
 
 def test_reducescatter_split_gives_first_ranks_the_extra_rows():

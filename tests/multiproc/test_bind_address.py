@@ -2,7 +2,8 @@
 
 Two ranks started with torchrun-style variables and MASTER_ADDR=127.0.0.1, no GLOO_SOCKET_IFNAME
 (as a user's shell would have it). While they train, every TCP socket either process listens on
-(read from /proc) must be bound to 127.0.0.1; rank 0 logs where it listens.
+(read from /proc) must be bound to 127.0.0.1; rank 0 logs where it listens. The same for a
+Horovod script on ``polytrain.horovod.torch`` (without Horovod: the shim's own rendezvous).
 """
 
 from __future__ import annotations
@@ -49,17 +50,14 @@ def listening(pids: set[int]) -> set[str]:
     return found
 
 
-def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
-    port = free_port()
-    env = loopback_env(WORLD_SIZE="2", MASTER_PORT=str(port), POLYTRAIN_TEST_TOKEN=uuid.uuid4().hex)
-    env.pop("GLOO_SOCKET_IFNAME")
+def watch(commands: list[list[str]], env: dict[str, str]) -> tuple[list[int], list[tuple[str, str]], set[str]]:
+    """Start one command per rank (ranks 0, 1); every address any of them listens on until they end."""
     procs = []
     try:
-        for rank in (0, 1):
-            cmd = [sys.executable, "-m", "polytrain.cli", "train", "--set", "loop.epochs=3",
-                   "--set", f"output={tmp_path / str(rank)}"]
-            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank)}, cwd=REPO, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, start_new_session=True))
+        for rank, cmd in enumerate(commands):
+            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=REPO,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
         seen: set[str] = set()
         deadline = time.monotonic() + 150
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -70,7 +68,51 @@ def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-2000:]
+    return [p.returncode for p in procs], outputs, seen
+
+
+def single_node_env(port: int) -> dict[str, str]:
+    env = loopback_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(port),
+                       POLYTRAIN_TEST_TOKEN=uuid.uuid4().hex)
+    env.pop("GLOO_SOCKET_IFNAME")
+    return env
+
+
+HVD_SCRIPT = """\
+import time
+import torch
+import polytrain.horovod.torch as hvd
+
+hvd.init()
+total = torch.zeros(1)
+deadline = time.monotonic() + 3
+while time.monotonic() < deadline:  # collectives for a few seconds: long enough to see every socket
+    total += hvd.allreduce(torch.ones(1), op=hvd.Sum)
+hvd.shutdown()
+print(f"rank {hvd.rank() if hvd.is_initialized() else 'done'} sum ok {int(total.item()) % 2 == 0}")
+"""
+
+
+def test_a_horovod_script_listens_on_loopback_only(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    port = free_port()
+    script = tmp_path / "hvd_script.py"
+    script.write_text(HVD_SCRIPT)
+    env = single_node_env(port)
+    env["PYTHONPATH"] = str(REPO)
+    codes, outputs, seen = watch([[sys.executable, str(script)]] * 2, env)
+    assert codes == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert all("sum ok True" in out for out, _ in outputs), outputs
+    assert f"127.0.0.1:{port}" in seen  # rank 0's store was seen listening
+    assert all(address.startswith("127.0.0.1:") for address in seen), seen
+
+
+def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    port = free_port()
+    commands = [[sys.executable, "-m", "polytrain.cli", "train", "--set", "loop.epochs=3",
+                 "--set", f"output={tmp_path / str(rank)}"] for rank in (0, 1)]
+    codes, outputs, seen = watch(commands, single_node_env(port))
+    assert codes == [0, 0], outputs[0][1][-2000:]
     assert f"127.0.0.1:{port}" in seen  # the store was seen listening
     assert all(address.startswith("127.0.0.1:") for address in seen), seen
     assert f"rendezvous listens on 127.0.0.1:{port} (single node: loopback only)" in outputs[0][1]

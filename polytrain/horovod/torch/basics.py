@@ -134,13 +134,6 @@ def agree_master(world: World, env: dict[str, str]) -> World:
     return ensure_master(world)
 
 
-def rendezvous_url(world: World, env: dict[str, str]) -> str:
-    """``env://`` under torchrun (its agent hosts the store), else ``tcp://`` to rank 0."""
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in env:
-        return "env://"
-    return f"tcp://{world.master_addr}:{world.master_port}"
-
-
 # ----------------------------------------------------------------------------- init / shutdown
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -163,9 +156,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if owns_group:
         if world.size == 1:
             store = dist.HashStore()
-        else:
-            url = rendezvous_url(world, env)
-            store, _, _ = next(dist.rendezvous(url, rank=world.rank, world_size=world.size))
+        else:  # rank 0 (or torchrun's agent) hosts it; on a loopback master it and gloo listen on loopback only
+            from polytrain.adapters.torch.backend import keep_gloo_on_loopback, rendezvous_store
+
+            keep_gloo_on_loopback(world)
+            store = rendezvous_store(world, dist.constants.default_pg_timeout)
         # Keys of one start never meet those of an earlier one: torchrun keeps its store across
         # restarts, and elastic.run re-initialises in the same process.
         store = dist.PrefixStore(f"polytrain-hvd/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_init_count}", store)
