@@ -216,6 +216,22 @@ def shutdown() -> None:
     ps_module.reset(state)
     if state.owns_group and dist.is_initialized() and not state.broken:
         dist.destroy_process_group()
+        _release_process_group()
+
+
+def _release_process_group() -> None:
+    """Let the process group's worker threads end while the interpreter can still serve them.
+
+    A gloo worker thread releases each finished collective after the caller has seen it complete;
+    if that release drops the last reference to a tensor created in Python it needs the GIL, and
+    once the interpreter is finalizing it cannot get it and aborts the process ("terminate called
+    without an active exception"). When nothing else holds the group, collecting it here joins its
+    threads. When something does (e.g. a DDP model the script keeps), they get a moment to finish.
+    """
+    import gc
+
+    gc.collect()
+    time.sleep(0.05)
 
 
 @atexit.register
