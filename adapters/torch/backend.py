@@ -166,6 +166,9 @@ class TorchBackend:
     timeline: Any = NULL
     #: the Trainer's `polytrain.watchdog.Activity` (None outside a Trainer)
     activity: Any = None
+    #: whether the timeline records every torch.distributed collective (`tracing.CollectiveTracer`): for
+    #: backends whose collectives a library issues (FSDP, DeepSpeed); the others record their own buckets
+    traces_collectives = False
 
     def __init__(self, spec: TrainSpec, world: World) -> None:
         self.spec = spec
@@ -178,6 +181,10 @@ class TorchBackend:
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
         """Start the process group when there is more than one rank."""
+        if self.traces_collectives and self.timeline.enabled and getattr(self, "_tracer", None) is None:
+            from polytrain.adapters.torch.tracing import CollectiveTracer
+
+            self._tracer = CollectiveTracer(self.timeline, self.activity).install()
         if not self.world.distributed or dist.is_initialized():
             return
         from polytrain.world import ensure_master
@@ -214,6 +221,10 @@ class TorchBackend:
         return StoreBoard(dist.PrefixStore(f"{store_prefix()}/watchdog", client))
 
     def teardown(self) -> None:
+        tracer = getattr(self, "_tracer", None)
+        if tracer is not None:
+            tracer.remove()
+            self._tracer = None
         if getattr(self, "_owns_group", False) and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

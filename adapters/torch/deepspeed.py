@@ -109,6 +109,7 @@ def _skip_shm_op() -> None:
 
 class DeepSpeedBackend(TorchBackend):
     name = "deepspeed"
+    traces_collectives = True  # the library issues them: the timeline records each
 
     def setup(self) -> None:
         _prepare_environment(self.device)

@@ -66,6 +66,7 @@ def find_unit_classes(model: nn.Module, names: tuple[str, ...] | None) -> tuple[
 
 class FSDPBackend(TorchBackend):
     name = "fsdp"
+    traces_collectives = True  # the library issues them: the timeline records each
 
     def setup(self) -> None:
         super().setup()

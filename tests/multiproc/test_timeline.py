@@ -94,6 +94,32 @@ def test_mpi_backend_timeline_under_mpirun_torch_and_tensorflow(tmp_path: Path) 
         assert len(events(document)[0]["bucket"]) > STEPS  # fused into more than one bucket per step
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "zero2", "zero3"])
+def test_sharded_backends_timeline_records_the_librarys_collectives(tmp_path: Path, backend: str) -> None:
+    """FSDP and DeepSpeed issue their collectives themselves: every one is on the timeline, and the
+    reductions each backward pass issues (its gradient buckets) carry the model's gradients."""
+    if backend.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    sets = {"fsdp": ["backend=fsdp", "fsdp.sharding=full_shard"],
+            "zero2": ["backend=deepspeed", "deepspeed.stage=2"],
+            "zero3": ["backend=deepspeed", "deepspeed.stage=3"]}[backend]
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    document = train(torchrun, tmp_path, sets)
+    expected = STEPS * parameter_bytes(tmp_path)
+    for rank, named in events(document).items():
+        assert len(named["backward"]) == STEPS
+        buckets = named["bucket"]
+        assert all(e["args"]["op"] in ("allreduce", "reduce_scatter") and e["tid"] == 1 for e in buckets)
+        sent = sum(e["args"]["bytes"] for e in buckets)
+        # every gradient, once per step (sharded backends pad flat buffers to a multiple of the world size)
+        assert expected <= sent <= expected * 1.01, (rank, backend, sent, expected)
+        backward = sorted((e["ts"], e["ts"] + e["dur"]) for e in named["backward"])
+        for bucket in buckets:  # issued inside a backward pass
+            assert any(start - 1 <= bucket["ts"] <= end + 1 for start, end in backward), (rank, bucket)
+        if backend != "zero2":  # parameters gathered for the forward passes (ZeRO-3, FSDP full_shard)
+            assert sum(e["args"]["bytes"] for e in named["all_gather"]) >= expected, (rank, backend)
+
+
 SCRIPT = """
 import torch
 import polytrain.horovod.torch as hvd
