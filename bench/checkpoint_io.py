@@ -189,6 +189,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
+        from polytrain.cli import exit_after_training
+
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        exit_after_training()  # not the interpreter's teardown, where gloo's threads may abort the rank
     else:
         main()

@@ -95,6 +95,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        from polytrain.cli import exit_after_training
+
         worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        exit_after_training()  # not the interpreter's teardown, where gloo's threads may abort the rank
     else:
         main()

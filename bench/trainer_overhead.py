@@ -88,8 +88,10 @@ def worker(which: str, out: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) == 3:
+        from polytrain.cli import exit_after_training
+
         worker(sys.argv[1], Path(sys.argv[2]))
-        return
+        exit_after_training()  # not the interpreter's teardown, where gloo's threads may abort the rank
     torchrun = str(Path(sys.executable).parent / "torchrun")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
