@@ -15,8 +15,11 @@ for mixed precision, where that copy is part of the 12 bytes of optimizer state)
 fp32; polytrain's deepspeed backend makes it share the model's fp32 partition in fp32 training without
 offload, so it should read 0 here. Both ratios are printed (without and with that copy).
 Measured (2 cores, DeepSpeed 0.19.8): ratio DDP 1.000, ZeRO-1 0.934, ZeRO-2 1.120, ZeRO-3 1.000,
-FSDP 1.000. ZeRO-1 and ZeRO-2 hold the same bytes: DeepSpeed's stage 1 also reduces gradients into
-partitions, and in both the partition's gradients live in reduce buffers ~1.6× the partition's size.
+FSDP 1.000. ZeRO-1 and ZeRO-2 hold the same bytes: DeepSpeed's stage 1 also keeps only the
+gradients its partition needs. In fp32 (0.19.8) those are views into the full gradients of the
+parameters that lie in the partition, so a parameter straddling the partition boundary is held
+whole by both ranks: here one 2048×2048 matrix (16 MiB), 12 MiB over ZeRO-2's 4Ψ/N on rank 1.
+The excess is at most the largest parameter, so it shrinks with finer-grained models.
 "other" is every further tensor storage created by the backend (communication buckets):
 ZeRO-3 allocates a reduce bucket of ``reduce_bucket_size`` (5e8 elements by default) that
 is mostly never touched, so it shows up there but hardly in RSS. Peak RSS is the
