@@ -154,6 +154,9 @@ class TensorFlowFramework:
         with tf.device(self.backend.device):
             loss = float(step(*self._inputs(x, y), tf.constant(loss_scale, tf.float32)))
         if sync and not fused:
+            activity = getattr(self.backend, "activity", None)
+            if activity is not None:  # a stall then tells the ranks in the allreduce from those still computing
+                activity.phase("gradient allreduce")
             self.backend.average_gradients(self.accumulators)
         return loss
 

@@ -1,7 +1,8 @@
 """A Keras model factory for fault-injection tests: rank ``FAULT_RANK`` dies at its ``FAULT_AT``-th training call.
 
 ``FAULT_MODE=kill`` SIGKILLs the process (a dead peer); ``FAULT_MODE=raise`` raises inside the
-step (a rank that fails alone while the others wait in a collective). The check runs as a
+step (a rank that fails alone while the others wait in a collective); ``FAULT_MODE=sleep`` sleeps
+``FAULT_SLEEP`` seconds (a stalled rank). The check runs as a
 ``tf.py_function`` so it happens on every call of the compiled step, not once at tracing.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import keras
 import tensorflow as tf
@@ -28,6 +30,9 @@ class Fault(keras.layers.Layer):
         if _rank() == os.environ.get("FAULT_RANK") and self.calls == int(os.environ.get("FAULT_AT", "-1")):
             if os.environ.get("FAULT_MODE", "kill") == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ.get("FAULT_MODE") == "sleep":
+                time.sleep(float(os.environ.get("FAULT_SLEEP", "10")))
+                return x
             raise RuntimeError(f"injected failure on rank {_rank()}")
         return x
 

@@ -100,6 +100,29 @@ def test_a_stalled_rank_is_named_by_the_waiting_rank_and_the_run_goes_on(tmp_pat
     assert json.loads((tmp_path / "model.json").read_text())["global_step"] == 23
 
 
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_under_mpirun_a_stalled_rank_is_named_too(tmp_path: Path, framework: str) -> None:
+    """The mpi backend has no store of its own: the ranks post their progress in one rank 0 hosts for
+    the watchdog, so rank 0, inside MPI_Allreduce, still names the rank that is behind."""
+    pytest.importorskip("mpi4py")
+    if framework == "tensorflow":
+        pytest.importorskip("tensorflow")
+    model = "faulty_model:make" if framework == "torch" else "faulty_keras:make"
+    sets = [f"framework={framework}", "backend=mpi", f"model.name={model}", "loop.epochs=1", f"output={tmp_path}",
+            "reliability.stall_warning_s=2"]
+    cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", *[a for v in ("FAULT_RANK", "FAULT_AT", "FAULT_MODE",
+           "FAULT_SLEEP", "PYTHONPATH") for a in ("-x", v)], sys.executable, "-m", "polytrain.cli", "train", "--quiet",
+           *[a for s in sets for a in ("--set", s)]]
+    env = loopback_env(PYTHONPATH=str(HERE), FAULT_RANK="1", FAULT_AT="5", FAULT_MODE="sleep", FAULT_SLEEP="8")
+    env.pop("MASTER_ADDR")
+    result = run(cmd, env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() + result.stderr.splitlines()
+                if "WARNING: no progress" in line]
+    assert any(re.search(r"rank 0: WARNING: no progress in (backward|gradient allreduce) of step 5 for \d+ s; "
+                         r"rank 1 is still in forward(/backward)? of step 5", line) for line in warnings), warnings
+
+
 def test_a_rank_stalled_past_the_collective_timeout_fails_the_job_in_one_line(tmp_path: Path) -> None:
     result, elapsed = stalled_run(tmp_path, "120", ["reliability.stall_warning_s=1",
                                                     "reliability.collective_timeout_s=6"])
