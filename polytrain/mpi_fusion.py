@@ -179,38 +179,10 @@ class TrainerCollectivesOverMpi:
     world: Any
 
     def progress_board(self) -> Any | None:
-        """The stall watchdog's side channel: a TCPStore rank 0 hosts, its address sent over MPI.
+        """The stall watchdog's side channel (MPI cannot say which ranks have not reached a collective)."""
+        from polytrain.watchdog import hosted_store_board
 
-        MPI has no way to ask which ranks have not reached a collective, so the ranks post their
-        progress there (from the watchdog's thread, while the main thread waits inside MPI). On one
-        host it listens on loopback only. None without torch: the warning then names no ranks.
-        """
-        try:
-            import torch.distributed as dist
-        except ImportError:
-            return None
-        import datetime
-        import socket
-
-        from polytrain.watchdog import StoreBoard
-
-        timeout = datetime.timedelta(seconds=3)
-        endpoint, listener = None, None
-        if self.mpi.rank == 0:
-            one_host = self.world.local_size == self.world.size
-            host = "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname())
-            listener = socket.socket(socket.AF_INET)
-            listener.bind((host, 0))
-            listener.listen(max(128, self.mpi.size))
-            endpoint = (host, listener.getsockname()[1])
-        endpoint = self.mpi.comm.bcast(endpoint, root=0)
-        if listener is not None:
-            store = dist.TCPStore(endpoint[0], endpoint[1], self.mpi.size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False, master_listen_fd=listener.fileno())
-            self._board_listener = listener  # the store serves on it for the life of the process
-        else:
-            store = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout, wait_for_workers=False)
-        return StoreBoard(dist.PrefixStore("polytrain/watchdog", store))
+        return hosted_store_board(self.world, self.mpi.broadcast_object)
 
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         return self.mpi.all_reduce(values, op)

@@ -83,6 +83,43 @@ class StoreBoard:
         return {rank: beat for rank, (_, beat, _) in self._entries(ranks).items()}
 
 
+def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> StoreBoard | None:
+    """A `StoreBoard` for backends without a store of their own (MPI, TensorFlow's): rank 0 hosts a
+    TCPStore on a free port — on loopback when every rank is on this host — and sends its address
+    with the backend's own ``broadcast_object``. Collective: every rank calls it. None without torch
+    (the stall warning then names no ranks).
+
+    The ranks post their progress there from the watchdog's thread, so a rank waiting inside a
+    collective that cannot say who is missing still learns which ranks are behind.
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    import datetime
+    import socket
+
+    timeout = datetime.timedelta(seconds=3)
+    endpoint, listener = None, None
+    if world.rank == 0:
+        host = "127.0.0.1" if world.local_size == world.size else socket.gethostbyname(socket.gethostname())
+        listener = socket.socket(socket.AF_INET)
+        listener.bind((host, 0))
+        listener.listen(max(128, world.size))
+        endpoint = (host, listener.getsockname()[1])
+    endpoint = broadcast_object(endpoint)
+    if listener is not None:
+        store = dist.TCPStore(endpoint[0], endpoint[1], world.size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+        _HOSTED_LISTENERS.append(listener)  # the store serves on it for the life of the process
+    else:
+        store = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout, wait_for_workers=False)
+    return StoreBoard(dist.PrefixStore("polytrain/watchdog", store))
+
+
+_HOSTED_LISTENERS: list[Any] = []
+
+
 def stall_message(rank: int, activity: str, seconds: float, peers: dict[int, tuple[int, str]] | None,
                   my_seq: int, size: int, timeout_s: float) -> str:
     """The one warning line for a rank whose ``activity`` has not moved for ``seconds``."""

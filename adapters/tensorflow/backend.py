@@ -83,6 +83,14 @@ class TFBackend:
     def barrier(self) -> None:
         pass
 
+    def progress_board(self) -> Any | None:
+        """The stall watchdog's side channel: TensorFlow's collectives cannot say who is missing."""
+        if self.world.size == 1:
+            return None
+        from polytrain.watchdog import hosted_store_board
+
+        return hosted_store_board(self.world, self.broadcast_object)
+
 
 class FlatGradients:
     """Moves a list of variables to and from one flat float32 numpy buffer in two compiled calls.

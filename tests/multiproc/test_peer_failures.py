@@ -25,10 +25,10 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 HERE = Path(__file__).resolve().parent
 SURVIVOR_LINE = re.compile(r"polytrain: error: rank 0: a collective failed during (forward|backward|forward/backward) "
                            r"of step 7: ")
-#: What the survivor can say about the lost rank: on torch its heartbeat in the rendezvous store stopped;
-#: TensorFlow's backends have no such side channel.
-LOST = {"torch-ddp": "rank 1 stopped responding (last seen in ",  # its last heartbeat: up to a second old
-        "tensorflow-tf-multiworker": "another rank died, stalled or lost its connection"}
+#: What the survivor says about the lost rank: its heartbeat stopped — in the rendezvous store on torch, in
+#: the store rank 0 hosts for the watchdog on TensorFlow. Its last heartbeat is up to a second old.
+LOST = {"torch-ddp": "rank 1 stopped responding (last seen in ",
+        "tensorflow-tf-multiworker": "rank 1 stopped responding (last seen in "}
 
 CASES = {
     "torch-ddp": ["framework=torch", "backend=ddp", "model.name=faulty_model:make"],
