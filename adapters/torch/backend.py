@@ -209,6 +209,19 @@ class TorchBackend:
         )
         self._owns_group = True
 
+    def ensure_process_group(self) -> None:
+        """A one-rank process group on loopback when `setup` started none (a single process), for
+        backends whose library needs one anyway (FSDP, DeepSpeed)."""
+        if dist.is_initialized():
+            return
+        from polytrain.world import free_port
+
+        dist.init_process_group(
+            backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
+            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+            timeout=datetime.timedelta(seconds=300))
+        self._owns_group = True
+
     def progress_board(self) -> Any | None:
         """A store client of its own (for the stall watchdog's thread) on the store the ranks met in."""
         endpoint = getattr(self, "_store_endpoint", None)

@@ -25,7 +25,6 @@ cached under ``~/.cache/polytrain/torch_extensions`` (``TORCH_EXTENSIONS_DIR``).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polytrain.adapters.torch.backend import TorchBackend, choose_process_group_backend
+from polytrain.adapters.torch.backend import TorchBackend
 from polytrain.errors import BackendUnavailableError
 from polytrain.spec import TrainSpec
 
@@ -116,14 +115,7 @@ class DeepSpeedBackend(TorchBackend):
         # DeepSpeed reads its local rank from the environment; MPICH, Slurm or a single process set none.
         os.environ.setdefault("LOCAL_RANK", str(self.world.local_rank))
         super().setup()
-        if not dist.is_initialized():  # one process: DeepSpeed still wants a process group
-            from polytrain.world import free_port
-
-            dist.init_process_group(
-                backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
-                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                timeout=datetime.timedelta(seconds=300))
-            self._owns_group = True
+        self.ensure_process_group()  # one process: DeepSpeed still wants one
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 

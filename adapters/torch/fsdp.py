@@ -21,16 +21,14 @@ parameters with DTensors, so `wrap` builds the spec's optimizer again over them.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from polytrain.adapters.torch.backend import TorchBackend, check_fp16_runs, choose_process_group_backend
+from polytrain.adapters.torch.backend import TorchBackend, check_fp16_runs
 from polytrain.errors import SpecError
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,14 +68,7 @@ class FSDPBackend(TorchBackend):
 
     def setup(self) -> None:
         super().setup()
-        if not dist.is_initialized():  # one process: FSDP still needs a process group
-            from polytrain.world import free_port
-
-            dist.init_process_group(
-                backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
-                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                timeout=datetime.timedelta(seconds=300))
-            self._owns_group = True
+        self.ensure_process_group()  # one process: FSDP still needs one
 
     def _mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
