@@ -1,6 +1,7 @@
 """Per-rank memory of DDP, ZeRO-1/2/3 and FSDP full_shard, measured, next to the ZeRO formulas.
 
-Run:  python bench/sharded_memory.py [BACKEND ...]   (2 ranks per backend under torchrun; all: ~5 min on 2 cores)
+Run:  python bench/sharded_memory.py [--model mlp|transformer] [BACKEND ...]
+      (2 ranks per backend under torchrun; all five: ~1-5 min on 2 cores)
 
 A ~10.5 M-parameter MLP (Ψ parameters), Adam, fp32, 2 ranks (N). In the second step,
 after the backward pass and before the optimizer step (gradients and Adam state both
@@ -19,7 +20,9 @@ FSDP 1.000. ZeRO-1 and ZeRO-2 hold the same bytes: DeepSpeed's stage 1 also keep
 gradients its partition needs. In fp32 (0.19.8) those are views into the full gradients of the
 parameters that lie in the partition, so a parameter straddling the partition boundary is held
 whole by both ranks: here one 2048×2048 matrix (16 MiB), 12 MiB over ZeRO-2's 4Ψ/N on rank 1.
-The excess is at most the largest parameter, so it shrinks with finer-grained models.
+The excess is at most the largest parameter, so it shrinks with finer-grained models: with
+``--model transformer`` (10.5 M parameters in mid-sized matrices) DDP 1.000, ZeRO-1 0.841, ZeRO-2
+1.009, ZeRO-3 1.000, FSDP 1.000 (ZeRO-1 under its formula, which counts full gradients on every rank).
 "other" is every further tensor storage created by the backend (communication buckets):
 ZeRO-3 allocates a reduce bucket of ``reduce_bucket_size`` (5e8 elements by default) that
 is mostly never touched, so it shows up there but hardly in RSS. Peak RSS is the
@@ -40,6 +43,10 @@ from pathlib import Path
 
 HIDDEN = (2048, 2048, 2048)
 IN_FEATURES, CLASSES, BATCH, NPROC = 1024, 16, 8, 2
+#: the zoo's transformer LM at ~10.5 M parameters (tied head): many mid-sized matrices instead of three large ones
+LM, VOCAB, SEQ = {"d_model": 512, "n_heads": 8, "n_layers": 3}, 2048, 64
+MODELS = {"mlp": f"MLP {IN_FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}",
+          "transformer": f"transformer LM {LM}, vocab {VOCAB}, {SEQ} tokens"}
 REPO = Path(__file__).resolve().parents[1]
 
 BACKENDS = {  # name → spec settings
@@ -55,12 +62,14 @@ FORMULA = {"ddp": lambda n: 16, "zero1": lambda n: 8 + 8 / n, "zero2": lambda n:
 MASTER = {"zero1": 4, "zero2": 4, "zero3": 4}  # DeepSpeed's fp32 partition copy, bytes per parameter / N
 
 
-def make_spec(name: str, out: str):  # noqa: ANN201 - a TrainSpec
+def make_spec(name: str, out: str, model: str = "mlp"):  # noqa: ANN201 - a TrainSpec
     from polytrain import spec as spec_mod
 
-    raw = {**BACKENDS[name], "output": out, "seed": 0,
-           "model": {"name": "mlp", "params": {"hidden_sizes": list(HIDDEN)}},
-           "optimizer": {"name": "adam", "lr": 1e-3}, "data": {"batch_size": BATCH}}
+    raw = {**BACKENDS[name], "output": out, "seed": 0, "optimizer": {"name": "adam", "lr": 1e-3},
+           "model": {"name": "mlp", "params": {"hidden_sizes": list(HIDDEN)}}, "data": {"batch_size": BATCH}}
+    if model == "transformer":
+        raw["model"] = {"name": "transformer", "params": LM}
+        raw["data"] = {"name": "tokens", "batch_size": BATCH, "tokens": {"vocab": VOCAB, "seq_len": SEQ}}
     return spec_mod.from_dict(raw)
 
 
@@ -136,7 +145,7 @@ def classify(fw, backend, before: dict[int, int]) -> dict[str, int]:  # noqa: AN
     return sizes
 
 
-def worker(name: str, out_file: str) -> None:
+def worker(name: str, out_file: str, model: str) -> None:
     import numpy as np
 
     from polytrain import registry
@@ -145,18 +154,21 @@ def worker(name: str, out_file: str) -> None:
 
     world = detect_world()
     tmp = tempfile.mkdtemp(prefix="polytrain-mem-")
-    spec = make_spec(name, tmp)
+    spec = make_spec(name, tmp, model)
     backend = registry.create_backend(spec, world)
     backend.setup()
     fw = registry.create_framework(spec, world, backend)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     before = census()
-    fw.build(DatasetInfo(input_shape=(IN_FEATURES,), num_outputs=CLASSES, task="classification"))
+    rng = np.random.default_rng(world.rank)
+    if model == "transformer":
+        fw.build(DatasetInfo(input_shape=(SEQ,), num_outputs=VOCAB, task="next_token"))
+        x, y = rng.integers(0, VOCAB, (BATCH, SEQ)), rng.integers(0, VOCAB, (BATCH, SEQ))
+    else:
+        fw.build(DatasetInfo(input_shape=(IN_FEATURES,), num_outputs=CLASSES, task="classification"))
+        x, y = rng.standard_normal((BATCH, IN_FEATURES)).astype(np.float32), rng.integers(0, CLASSES, BATCH)
     n_params = sum(p.numel() for p in backend.unwrap(fw.model).parameters() if not hasattr(p, "ds_tensor"))
     n_params += sum(p.ds_numel for p in backend.unwrap(fw.model).parameters() if hasattr(p, "ds_tensor"))
-    rng = np.random.default_rng(world.rank)
-    x = rng.standard_normal((BATCH, IN_FEATURES)).astype(np.float32)
-    y = rng.integers(0, CLASSES, BATCH)
     sizes = {}
     for step in range(2):
         fw.train_micro_step(x, y, world.size / (BATCH * world.size), sync=True)
@@ -172,29 +184,35 @@ def worker(name: str, out_file: str) -> None:
     backend.teardown()
 
 
-def launch(name: str, out_file: Path) -> list[dict]:
+def launch(name: str, out_file: Path, model: str) -> list[dict]:
     from polytrain.world import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", __file__, "--worker", name, str(out_file)]
+           f"--master_port={free_port()}", __file__, "--worker", name, str(out_file), model]
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    timeout=900)
     return json.loads(out_file.read_text())
 
 
-def main(names: list[str]) -> None:
+def main(argv: list[str]) -> None:
     mib = 2**20
     rows = []
+    model = "mlp"
+    if argv[:1] == ["--model"]:
+        if len(argv) < 2 or argv[1] not in MODELS:
+            sys.exit(f"sharded_memory.py: --model must be one of {', '.join(MODELS)}")
+        model, argv = argv[1], argv[2:]
+    names = argv
     unknown = sorted(set(names) - set(BACKENDS))
     if unknown:
         sys.exit(f"sharded_memory.py: unknown backend(s) {', '.join(unknown)}; allowed: {', '.join(BACKENDS)}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in names or BACKENDS:
-            ranks = launch(name, Path(tmp) / f"{name}.json")
+            ranks = launch(name, Path(tmp) / f"{name}.json", model)
             rows.append((name, ranks))
     psi = rows[0][1][0]["params_count"]
-    print(f"Ψ = {psi:,} parameters (MLP {IN_FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}), Adam, fp32, "
+    print(f"Ψ = {psi:,} parameters ({MODELS[model]}), Adam, fp32, "
           f"N = {NPROC} ranks; per rank, MiB (max over ranks)")
     head = (f"{'backend':8} {'params':>8} {'grads':>8} {'adam':>8} {'master':>8} {'total':>8} {'formula':>8} "
             f"{'ratio':>6} {'+master':>8} {'ratio':>6} {'other':>8} {'peak RSS':>9} {'RSS Δ':>8}")
@@ -212,10 +230,10 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
         from polytrain.cli import exit_after_training
 
-        worker(sys.argv[2], sys.argv[3])
+        worker(sys.argv[2], sys.argv[3], sys.argv[4])
         exit_after_training()  # not the interpreter's teardown, where gloo's threads may abort the rank
     else:
         main(sys.argv[1:])
