@@ -208,9 +208,23 @@ def verify(path: Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file() or file.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"checkpoint: {file} is missing or truncated (expected {meta['bytes']} bytes)")
+        seen = _file_identity(file)
+        if _HASHED.get(file.resolve()) == (seen, meta["sha256"]):
+            continue  # hashed a moment ago (e.g. --resume auto chose it, then it is loaded), unchanged since
         if _sha256(file) != meta["sha256"]:
             raise CheckpointError(f"checkpoint: {file} is corrupt (sha256 does not match the manifest)")
+        _HASHED[file.resolve()] = (seen, meta["sha256"])
     return manifest
+
+
+#: file → (identity when it last matched its manifest's hash, that hash): one read of a large file per process
+_HASHED: dict[Path, tuple[tuple[int, int, int, int], str]] = {}
+
+
+def _file_identity(file: Path) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: inode, size, modification and change times."""
+    st = file.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def find_latest(root: Path) -> Path | None:

@@ -113,3 +113,22 @@ def test_scalars_stay_scalars(tmp_path: Path) -> None:
     _, loaded = ckpt.load_checkpoint(path)
     assert loaded["optimizer"]["w/step"].shape == () and loaded["optimizer"]["w/step"] == 3.0
     assert loaded["optimizer"]["w/exp_avg"].shape == (1000, 10)
+
+
+def test_resume_auto_hashes_each_file_once_and_still_sees_a_later_change(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--resume auto`` verifies the checkpoint it picks, then loads it: the tensor files are read for
+    their hash once, not twice; a file rewritten after that check is still caught when loaded."""
+    ckpt.save_checkpoint(tmp_path, 10, tensors(10), {"epoch": 0})
+    hashed: list[str] = []
+    real = ckpt._sha256
+    monkeypatch.setattr(ckpt, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    path = ckpt.resolve("auto", tmp_path)
+    ckpt.load_checkpoint(path)
+    assert sorted(hashed) == ["model.safetensors", "optimizer.safetensors"]
+    model = path / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-1] ^= 0xFF  # same size, one byte flipped
+    model.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match="corrupt"):
+        ckpt.load_checkpoint(path)
