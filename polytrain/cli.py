@@ -82,8 +82,11 @@ def exit_after_training() -> NoReturn:
     mpi_module = sys.modules.get("mpi4py.MPI")
     if mpi_module is not None and mpi_module.Is_initialized() and not mpi_module.Is_finalized():
         mpi_module.Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said there
+            pass
     os._exit(0)
 
 

@@ -249,7 +249,7 @@ class Trainer:
         board_fn = getattr(self.backend, "progress_board", None)
         try:
             board = board_fn() if board_fn is not None else None
-        except RuntimeError:  # no side channel: warn without naming ranks
+        except (RuntimeError, OSError):  # no side channel (e.g. its store unreachable): warn without naming ranks
             board = None
         return StallWatchdog(self.world.rank, self.world.size, self._activity, reliability.stall_warning_s,
                              reliability.collective_timeout_s, board).start()

@@ -102,12 +102,17 @@ def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> St
     timeout = datetime.timedelta(seconds=3)
     endpoint, listener = None, None
     if world.rank == 0:
-        host = "127.0.0.1" if world.local_size == world.size else socket.gethostbyname(socket.gethostname())
-        listener = socket.socket(socket.AF_INET)
-        listener.bind((host, 0))
-        listener.listen(max(128, world.size))
-        endpoint = (host, listener.getsockname()[1])
+        try:
+            host = "127.0.0.1" if world.local_size == world.size else socket.gethostbyname(socket.gethostname())
+            listener = socket.socket(socket.AF_INET)
+            listener.bind((host, 0))
+            listener.listen(max(128, world.size))
+            endpoint = (host, listener.getsockname()[1])
+        except OSError:  # no address to offer: every rank goes on without a board
+            endpoint, listener = None, None
     endpoint = broadcast_object(endpoint)
+    if endpoint is None:
+        return None
     if listener is not None:
         store = dist.TCPStore(endpoint[0], endpoint[1], world.size, is_master=True, timeout=timeout,
                               wait_for_workers=False, master_listen_fd=listener.fileno())
