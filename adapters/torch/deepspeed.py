@@ -153,9 +153,10 @@ class DeepSpeedBackend(TorchBackend):
         builds the master from a buffer it then replaces (0.19.8), so it is relinked here too.
         """
         optimizer = self.engine.optimizer
-        if self.spec.precision != "fp32" or getattr(optimizer, "cpu_offload", False) \
-                or getattr(optimizer, "offload_optimizer", False):
-            return
+        ds = self.spec.deepspeed
+        if self.spec.precision != "fp32" or ds.offload_optimizer or ds.offload_param \
+                or getattr(optimizer, "cpu_offload", False) or getattr(optimizer, "offload_optimizer", False):
+            return  # with offload the partitions live on other devices or in buffers DeepSpeed moves
         if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2: this rank's slice of each group
             pairs = [(master, own[dist.get_rank(group=group)]) for master, own, group in zip(
                 optimizer.single_partition_of_fp32_groups, getattr(optimizer, "parallel_partitioned_bit16_groups", []),
