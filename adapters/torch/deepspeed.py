@@ -149,8 +149,9 @@ class DeepSpeedBackend(TorchBackend):
 
         DeepSpeed updates the master partition, then copies it into the model's (now a copy onto itself)
         before gathering the partitions; the per-parameter views of the master that its checkpoint and
-        ``safe_get_full_*`` helpers read are relinked, as DeepSpeed does after moving the partition itself. ZeRO-3 means to share them when dtype and device match, but
-        builds the master from a buffer it then replaces (0.19.8), so it is relinked here too.
+        ``safe_get_full_*`` helpers read are relinked, as DeepSpeed does after moving the partition
+        itself. ZeRO-3 means to share them when dtype and device match, but builds the master from a
+        buffer it then replaces (0.19.8), so it is relinked here too.
         """
         optimizer = self.engine.optimizer
         ds = self.spec.deepspeed
