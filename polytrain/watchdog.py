@@ -99,14 +99,14 @@ def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> St
     import datetime
     import socket
 
+    from polytrain.world import listening_socket
+
     timeout = datetime.timedelta(seconds=3)
     endpoint, listener = None, None
     if world.rank == 0:
         try:
             host = "127.0.0.1" if world.local_size == world.size else socket.gethostbyname(socket.gethostname())
-            listener = socket.socket(socket.AF_INET)
-            listener.bind((host, 0))
-            listener.listen(max(128, world.size))
+            listener = listening_socket(host, 0, max(128, world.size))
             endpoint = (host, listener.getsockname()[1])
         except OSError:  # no address to offer: every rank goes on without a board
             endpoint, listener = None, None
@@ -116,13 +116,9 @@ def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> St
     if listener is not None:
         store = dist.TCPStore(endpoint[0], endpoint[1], world.size, is_master=True, timeout=timeout,
                               wait_for_workers=False, master_listen_fd=listener.fileno())
-        _HOSTED_LISTENERS.append(listener)  # the store serves on it for the life of the process
     else:
         store = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, timeout=timeout, wait_for_workers=False)
     return StoreBoard(dist.PrefixStore("polytrain/watchdog", store))
-
-
-_HOSTED_LISTENERS: list[Any] = []
 
 
 def stall_message(rank: int, activity: str, seconds: float, peers: dict[int, tuple[int, str]] | None,

@@ -62,6 +62,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (port 0: the OS picks one), kept open for the life of
+    the process: a TCPStore serves on its file descriptor (``master_listen_fd``), so that the store
+    listens on that address only, not on every interface as it would bind by itself."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    _LISTENING.append(sock)
+    return sock
+
+
+_LISTENING: list[socket.socket] = []
+
+
 def ensure_master(world: World) -> World:
     """``world`` with master_addr and master_port known, agreed by all ranks when needed.
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL
-from polytrain.world import World
+from polytrain.world import World, listening_socket
 
 REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -64,17 +64,10 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     hosting = world.rank == 0 and not agent_store
     listen_fd = None
     if hosting and is_loopback(str(world.master_addr)):
-        listener = socket.socket(socket.AF_INET6 if ":" in str(world.master_addr) else socket.AF_INET)
-        listener.bind((str(world.master_addr), int(world.master_port)))
-        listener.listen(max(128, world.size))
-        _LISTENERS.append(listener)  # the store serves on it for the life of the process
-        listen_fd = listener.fileno()
+        listen_fd = listening_socket(str(world.master_addr), int(world.master_port), max(128, world.size)).fileno()
     store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size, is_master=hosting,
                           timeout=timeout, master_listen_fd=listen_fd)
     return dist.PrefixStore(store_prefix(), store)
-
-
-_LISTENERS: list[socket.socket] = []
 
 
 def is_loopback(host: str) -> bool:
