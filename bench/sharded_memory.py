@@ -3,7 +3,8 @@
 Run:  python bench/sharded_memory.py [--model mlp|transformer] [BACKEND ...]
       (2 ranks per backend under torchrun; all five: ~1-5 min on 2 cores)
 
-A ~10.5 M-parameter MLP (Ψ parameters), Adam, fp32, 2 ranks (N). In the second step,
+A ~10.5 M-parameter MLP, or with ``--model transformer`` the zoo's transformer LM of the same
+size (Ψ parameters), Adam, fp32, 2 ranks (N). In the second step,
 after the backward pass and before the optimizer step (gradients and Adam state both
 alive), each rank takes a census of every tensor storage Python can reach and sorts
 it into parameters, gradients, optimizer state (Adam's two moments, plus the fp32

@@ -208,12 +208,12 @@ def verify(path: Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file() or file.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"checkpoint: {file} is missing or truncated (expected {meta['bytes']} bytes)")
-        seen = _file_identity(file)
-        if _HASHED.get(file.resolve()) == (seen, meta["sha256"]):
+        key, seen = file.resolve(), (_file_identity(file), meta["sha256"])
+        if _HASHED.get(key) == seen:
             continue  # hashed a moment ago (e.g. --resume auto chose it, then it is loaded), unchanged since
         if _sha256(file) != meta["sha256"]:
             raise CheckpointError(f"checkpoint: {file} is corrupt (sha256 does not match the manifest)")
-        _HASHED[file.resolve()] = (seen, meta["sha256"])
+        _HASHED[key] = seen
     return manifest
 
 
