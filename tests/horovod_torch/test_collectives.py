@@ -37,6 +37,7 @@ def run_collectives(launcher, nproc, **env):
 @pytest.mark.timeout(300)
 def test_two_ranks_under_torchrun():
     per_rank = run_collectives("torchrun", 2)
+    assert not per_rank[0]["values"]["mpi_enabled"]  # gloo carries everything under torchrun
     assert "allreduce while others joined" in per_rank[0]["checks"]
     assert per_rank[1]["values"]["allgather uneven"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
 
@@ -44,6 +45,7 @@ def test_two_ranks_under_torchrun():
 @pytest.mark.timeout(300)
 def test_three_ranks_under_mpirun_with_process_sets():
     per_rank = run_collectives("mpirun", 3)
+    assert all(per_rank[rank]["values"]["mpi_enabled"] for rank in range(3))  # data and records over MPI
     for rank in (0, 2):
         assert PROCESS_SET_MEMBERS <= set(per_rank[rank]["checks"])
     assert not PROCESS_SET_MEMBERS & set(per_rank[1]["checks"])
@@ -57,4 +59,5 @@ def test_three_ranks_under_mpirun_with_process_sets():
 @pytest.mark.timeout(300)
 def test_horovodrun_gloo_environment_without_metadata_check():
     per_rank = run_collectives("horovodrun-env", 2, POLYTRAIN_HOROVOD_METADATA_CHECK="0")
+    assert not per_rank[0]["values"]["mpi_enabled"]
     assert "allreduce while others joined" not in per_rank[0]["checks"]

@@ -142,3 +142,24 @@ def test_ops_before_init_raise_horovods_error():
 
     with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)."):
         basics.size()
+
+
+def test_cpu_operations_choose_gloo_without_an_mpi_launcher_or_when_asked():
+    from polytrain.horovod.torch.transport import open_engine
+
+    assert open_engine(load_dump("torchrun_rank1"), 2) is None  # torchrun: gloo (no MPI started)
+    assert open_engine(load_dump("horovodrun_gloo_rank1"), 2) is None
+    assert open_engine({**load_dump("openmpi5_rank1"), "HOROVOD_CPU_OPERATIONS": "gloo"}, 2) is None
+    assert open_engine(load_dump("openmpi5_rank1"), 1) is None  # one process: nothing to move
+    with pytest.raises(ValueError, match="HOROVOD_CPU_OPERATIONS='ccl'.*'mpi' or 'gloo'"):
+        open_engine({**load_dump("openmpi5_rank1"), "HOROVOD_CPU_OPERATIONS": "ccl"}, 2)
+
+
+def test_the_mpi_engine_carries_only_cpu_tensors_mpi_reduces_natively():
+    from polytrain.horovod.torch.transport import MpiEngine
+
+    engine = MpiEngine.__new__(MpiEngine)  # no communicator needed to ask what it carries
+    assert engine.carries(torch.ones(3), torch.ones(2, dtype=torch.int64), torch.ones(1, dtype=torch.uint8))
+    for tensor in (torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.bfloat16),
+                   torch.ones(3, dtype=torch.bool), torch.ones(4, 4).t()):
+        assert not engine.carries(tensor)

@@ -62,9 +62,10 @@ def test_dtype_mismatch_under_mpirun_stops_the_job():
 
 
 @pytest.mark.timeout(200)
-def test_skipped_collective_warns_naming_the_missing_rank_then_shuts_down():
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])  # the allreduce on gloo, and on MPI
+def test_skipped_collective_warns_naming_the_missing_rank_then_shuts_down(launcher):
     started = time.monotonic()
-    completed = launch("torchrun", 2, WORKERS / "misuse.py", "stall", expect_ok=False, timeout=150,
+    completed = launch(launcher, 2, WORKERS / "misuse.py", "stall", expect_ok=False, timeout=150,
                        env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "4"})
     elapsed = time.monotonic() - started
     assert completed.returncode != 0

@@ -70,6 +70,8 @@ class Runtime:
     #: where each op is recorded (HOROVOD_TIMELINE / start_timeline, or a Trainer's timeline)
     timeline: Any = NULL
     timeline_file: str | None = None
+    #: the MPI engine carrying CPU collectives under an MPI launcher (`transport`), or None
+    mpi: Any = None
 
 
 _runtime: Runtime | None = None
@@ -176,8 +178,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     else:
         gathered = records
     topology = topology_from_records(gathered.view(-1, 3).tolist(), world.rank)
+    from polytrain.horovod.torch.transport import open_engine
+
     _runtime = Runtime(world=world, topology=topology, settings=settings, store=dist.PrefixStore("hvd", store),
-                       backend=backend, owns_group=owns_group)
+                       backend=backend, owns_group=owns_group, mpi=open_engine(env, world.size))
     from polytrain.horovod.torch import process_sets as ps_module
 
     ps_module.setup_global(_runtime)
@@ -214,6 +218,8 @@ def shutdown() -> None:
     from polytrain.horovod.torch import process_sets as ps_module
 
     ps_module.reset(state)
+    if state.mpi is not None and not state.broken:
+        state.mpi.close()
     if state.owns_group and dist.is_initialized() and not state.broken:
         dist.destroy_process_group()
         _release_process_group()
@@ -289,15 +295,22 @@ def topology_estimate(world: World | None = None) -> Topology:
 
 
 def mpi_threads_supported() -> bool:
-    raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and enabled.")
+    """True when the shim moves data over MPI (it needs MPI_THREAD_MULTIPLE for that)."""
+    if not mpi_enabled():
+        raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and enabled.")
+    return True
 
 
 def mpi_enabled() -> bool:
-    return False
+    """Whether this job's CPU collectives run on MPI (see `transport`)."""
+    return is_initialized() and runtime().mpi is not None
 
 
 def mpi_built() -> bool:
-    return False
+    """Whether the shim can use MPI at all (mpi4py is importable)."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:

@@ -18,13 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.horovod.common import Adasum, Average, Max, Min, Product, Sum, reduce_op_name
-from polytrain.horovod.torch import basics, stall
+from polytrain.horovod.common import Adasum, Average, Sum, reduce_op_name
+from polytrain.horovod.torch import basics, stall, transport
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
 from polytrain.timeline import COLLECTIVES
-
-TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
-             Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
 
 
 @dataclass
@@ -145,7 +142,7 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | Non
         with torch.no_grad():
             output.copy_(tensor)
     scale_(output, prescale_factor)
-    pending.works.append(dist.all_reduce(output, op=TORCH_OPS[op], group=pending.group, async_op=True))
+    pending.works.append(transport.all_reduce(output, op, pending.group))
     divisor = process_set.size() if op == Average else 1
 
     def finish() -> torch.Tensor:
@@ -187,7 +184,7 @@ def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[
     for dtype, indices in by_dtype.items():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices]) if indices else torch.empty(0, dtype=dtype)
         scale_(flat, prescale_factor)
-        pending.works.append(dist.all_reduce(flat, op=TORCH_OPS[op], group=pending.group, async_op=True))
+        pending.works.append(transport.all_reduce(flat, op, pending.group))
         buffers.append((indices, flat))
     divisor = process_set.size() if op == Average else 1
 
@@ -239,7 +236,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     if source.shape[0] != most:
         source = torch.cat([source, source.new_zeros((most - source.shape[0],) + tail)])
     gathered = tensor.new_empty((most * len(rows),) + tail)
-    pending.works.append(dist.all_gather_single(gathered, source, group=pending.group, async_op=True))
+    pending.works.append(transport.all_gather(gathered, source, pending.group))
 
     def finish() -> torch.Tensor:
         if all(r == most for r in rows):
@@ -274,7 +271,7 @@ def _broadcast_async(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
     if output is not tensor:
         with torch.no_grad():
             output.copy_(tensor)
-    pending.works.append(dist.broadcast(output, src=root_rank, group=pending.group, async_op=True))
+    pending.works.append(transport.broadcast(output, root_rank, pending.group))
     pending.finish = lambda: output
     return submit(pending)
 

@@ -12,10 +12,9 @@ every rank to join.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from polytrain.horovod.torch import basics, stall
-from polytrain.horovod.torch.collectives import TORCH_OPS
+from polytrain.horovod.common import Sum
+from polytrain.horovod.torch import basics, stall, transport
 from polytrain.horovod.torch.process_sets import global_process_set
 
 #: Gradient bucket layouts of live DistributedOptimizers: layout id -> [(elements, dtype)].
@@ -54,14 +53,14 @@ def _serve(record: torch.Tensor, seq: int) -> None:
         if layout is None:
             raise basics.HorovodInternalError("a DistributedOptimizer step reached a joined rank that has no "
                                               "optimizer with the same parameters")
-        op = dist.ReduceOp.SUM
+        op = Sum
         buffers = [torch.zeros(numel, dtype=dtype) for numel, dtype in layout]
     else:
         code = int(record[stall.DTYPE])
         if not 0 < code <= len(stall.DTYPES):
             raise basics.HorovodInternalError("a grouped allreduce of mixed dtypes cannot be joined")
-        op = TORCH_OPS[int(record[stall.EXTRA])]
+        op = int(record[stall.EXTRA])
         buffers = [torch.zeros(int(record[stall.NUMEL]), dtype=stall.dtype_of(code))]
-    works = [dist.all_reduce(b, op=op, async_op=True) for b in buffers]
+    works = [transport.all_reduce(b, op) for b in buffers]
     for work in works:
         stall.wait(work, "join", global_process_set.process_set_id, seq, None)

@@ -16,10 +16,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from polytrain.horovod.common import Adasum, Average
-from polytrain.horovod.torch import basics, stall
+from polytrain.horovod.torch import basics, stall, transport
 from polytrain.horovod.torch.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -27,7 +26,7 @@ from polytrain.horovod.torch.buckets import (
     plan_buckets,
     split_groups,
 )
-from polytrain.horovod.torch.collectives import TORCH_OPS, scale_
+from polytrain.horovod.torch.collectives import scale_
 from polytrain.horovod.torch.compression import Compression, Compressor
 from polytrain.horovod.torch.join import OPTIMIZER_LAYOUTS
 from polytrain.horovod.torch.ops import allgather
@@ -279,7 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sent, ctx = self._compression.compress(bucket.buffer)
         group = self.process_set.group
         bucket.launched_at = basics.runtime().timeline.now()
-        work = dist.all_reduce(sent, op=TORCH_OPS[self.op], group=group, async_op=True)
+        work = transport.all_reduce(sent, self.op, group)
         bucket.launched = (work, sent, ctx)
 
     # --------------------------------------------------------------- step

@@ -105,6 +105,9 @@ def start_exchange(record: torch.Tensor, group: Any, size: int) -> tuple[Any, to
     if size == 1:
         gathered.copy_(record)
         return None, gathered.view(1, -1)
+    engine = basics.runtime().mpi
+    if engine is not None and group is None:
+        return engine.exchange(record)
     work = dist.all_gather_single(gathered, record, group=group, async_op=True)
     return work, gathered.view(size, -1)
 

@@ -56,6 +56,7 @@ check("topology", [hvd.size(), hvd.local_size(), hvd.cross_rank(), hvd.cross_siz
       [n, n, 0, 1, True])
 check("local rank", hvd.local_rank(), r)
 check("reduce op values", [hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product], [0, 1, 2, 3, 4, 5])
+values["mpi_enabled"] = hvd.mpi_enabled()
 values["built"] = [hvd.mpi_built(), hvd.gloo_built(), hvd.nccl_built(), hvd.cuda_built(), hvd.rocm_built()]
 ranks = torch.arange(n, dtype=torch.float64) + 1
 x = torch.tensor([r + 1.0, 2.0 * (r + 1)])
