@@ -86,8 +86,11 @@ import polytrain.horovod.torch as hvd
 hvd.init()
 rank, total = hvd.rank(), torch.zeros(1)
 deadline = time.monotonic() + 3
-while time.monotonic() < deadline:  # collectives for a few seconds: long enough to see every socket
+done = torch.zeros(1)
+while not done.item():  # collectives for a few seconds: long enough to see every socket
     total += hvd.allreduce(torch.ones(1), op=hvd.Sum)
+    # stop together (each rank's own clock alone would leave one rank in an allreduce the other skips)
+    done = hvd.allreduce(torch.tensor([float(time.monotonic() > deadline)]), op=hvd.Max)
 hvd.shutdown()
 print(f"rank {rank} sum ok {int(total.item()) % 2 == 0}")
 """
