@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.spec import TrainSpec
-from polytrain.timeline import NULL
+from polytrain.timeline import COLLECTIVES, NULL
 from polytrain.world import World
 
 
@@ -37,9 +37,6 @@ class TFBackend:
     name = "base"
     #: where the backend records its collectives (the Trainer sets it before ``setup``)
     timeline: Any = NULL
-    #: Whether `average_in_graph` works inside a compiled step; the adapter then runs it as part of
-    #: the last micro-step (one call fewer per step) instead of calling `average_gradients`.
-    averages_in_graph = False
 
     def __init__(self, spec: TrainSpec, world: World) -> None:
         self.spec = spec
@@ -63,12 +60,7 @@ class TFBackend:
         """Make every rank's ``variables`` equal to rank 0's."""
 
     def average_gradients(self, grads: Sequence[tf.Variable]) -> None:
-        """Replace each accumulated gradient by its mean over ranks, in place (not called on a backend
-        that `averages_in_graph`: the adapter then runs `average_in_graph` inside its compiled step)."""
-
-    def average_in_graph(self, grads: Sequence[tf.Variable]) -> None:
-        """`average_gradients`, traced into the caller's ``tf.function``."""
-        raise NotImplementedError(f"backend {self.name!r} averages gradients outside the graph")
+        """Replace each accumulated gradient by its mean over ranks, in place (after the last micro-step)."""
 
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -90,6 +82,49 @@ class TFBackend:
         from polytrain.watchdog import hosted_store_board
 
         return hosted_store_board(self.world, self.broadcast_object)
+
+
+class GraphCollectiveBackend(TFBackend):
+    """A backend whose collectives are TensorFlow ops (tf-multiworker's strategy, Horovod's TF ops).
+
+    The gradients are averaged after the compiled micro-step rather than inside it: one compiled
+    call per bucket of at most the fusion threshold (``POLYTRAIN_MPI_FUSION_BYTES``, default
+    64 MiB). Inside one compiled step every rank would look "in forward/backward" to the stall
+    watchdog whether it computes or waits in the allreduce; from here the adapter marks the
+    "gradient allreduce" phase first, so a stall names the ranks still computing, and a timeline
+    records each bucket's allreduce (start, end, bytes). The price is one function call per
+    bucket and step (``bench/tf_backends.py``).
+    """
+
+    _bucket_source: Sequence[tf.Variable] | None = None
+    _bucket_calls: list[tuple[Any, int]]
+
+    def average_in_graph(self, grads: Sequence[tf.Variable]) -> None:
+        """Average ``grads`` in place with the backend's collective ops (traced into a ``tf.function``)."""
+        raise NotImplementedError
+
+    def average_gradients(self, grads: Sequence[tf.Variable]) -> None:
+        if self.world.size == 1:
+            return
+        if self._bucket_source is not grads:
+            self._bucket_source, self._bucket_calls = grads, self._plan(list(grads))
+        for index, (call, nbytes) in enumerate(self._bucket_calls):
+            started = self.timeline.now()
+            call()
+            self.timeline.complete(f"gradient bucket {index}", "collective", started, self.timeline.now(),
+                                   track=COLLECTIVES, op="allreduce", bytes=nbytes)
+
+    def _plan(self, grads: list[tf.Variable]) -> list[tuple[Any, int]]:
+        from polytrain.mpi_fusion import fusion_threshold, plan_buckets
+
+        # shape-only stand-ins (no memory): plan_buckets reads dtype and nbytes
+        shapes = [np.broadcast_to(np.zeros((), g.dtype.as_numpy_dtype), g.shape) for g in grads]
+        calls = []
+        for bucket in plan_buckets(shapes, fusion_threshold()):
+            members = [grads[i] for i in bucket]
+            calls.append((tf.function(lambda members=members: self.average_in_graph(members)),
+                          sum(shapes[i].nbytes for i in bucket)))
+        return calls
 
 
 class FlatGradients:

@@ -17,7 +17,6 @@ over its tokens, summed over samples; evaluation sums and counts per token).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 import keras
@@ -75,10 +74,7 @@ class TensorFlowFramework:
         x_spec = tf.TensorSpec((None, *info.input_shape), tf.as_dtype(self.x_dtype))
         y_spec = tf.TensorSpec((None, *info.input_shape) if self.sequence else (None,), tf.as_dtype(self.y_dtype))
         scalar = tf.TensorSpec((), tf.float32)
-        self._micro_fn = tf.function(functools.partial(self._micro, average=False),
-                                     input_signature=[x_spec, y_spec, scalar])
-        self._micro_avg_fn = tf.function(functools.partial(self._micro, average=True),
-                                         input_signature=[x_spec, y_spec, scalar])
+        self._micro_fn = tf.function(self._micro, input_signature=[x_spec, y_spec, scalar])
         self._eval_fn = tf.function(self._eval, input_signature=[x_spec, y_spec])
         self._apply_fn = tf.function(self._apply)
         self._finite_fn = tf.function(
@@ -105,16 +101,14 @@ class TensorFlowFramework:
                 acc.assign_add(tf.cast(grad, tf.float32))
         return loss
 
-    def _micro(self, x: tf.Tensor, y: tf.Tensor, loss_scale: tf.Tensor, average: bool) -> tf.Tensor:
-        """One micro-step; with ``average`` the backend's collective runs in the same graph, after it.
+    def _micro(self, x: tf.Tensor, y: tf.Tensor, loss_scale: tf.Tensor) -> tf.Tensor:
+        """One micro-step: gradients summed into the accumulators.
 
         An empty micro-batch (ranks short of samples at the end of an epoch) adds nothing, but
         still takes part in the collective; TF's convolution kernels reject empty batches.
         """
         loss = tf.cond(tf.shape(x)[0] > 0, lambda: self._forward_backward(x, y, loss_scale),
                        lambda: tf.constant(0.0))
-        if average:
-            self.backend.average_in_graph(self.accumulators)
         return loss
 
     def _apply(self, scalars: tf.Tensor, clip_norm: tf.Tensor, clip: bool) -> tf.Tensor:
@@ -149,11 +143,9 @@ class TensorFlowFramework:
         return np.asarray(x, self.x_dtype), np.asarray(y, self.y_dtype)
 
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
-        fused = sync and self.backend.averages_in_graph
-        step = self._micro_avg_fn if fused else self._micro_fn
         with tf.device(self.backend.device):
-            loss = float(step(*self._inputs(x, y), tf.constant(loss_scale, tf.float32)))
-        if sync and not fused:
+            loss = float(self._micro_fn(*self._inputs(x, y), tf.constant(loss_scale, tf.float32)))
+        if sync:
             activity = getattr(self.backend, "activity", None)
             if activity is not None:  # a stall then tells the ranks in the allreduce from those still computing
                 activity.phase("gradient allreduce")

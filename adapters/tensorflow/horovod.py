@@ -2,9 +2,9 @@
 
 Horovod 0.28's ``DistributedGradientTape`` and Keras optimizer wrapper do not work with
 Keras 3, but its ops do: the adapter's compiled step sums each micro-step's gradients
-into accumulator variables, and on the last micro-step this backend averages them with
-one ``hvd.grouped_allreduce`` traced into the same ``tf.function`` (Horovod fuses the
-group into buffers of ``HOROVOD_FUSION_THRESHOLD``). Initial weights come from rank 0
+into accumulator variables, and after the last micro-step this backend averages them with
+one ``hvd.grouped_allreduce`` per bucket, each in its own ``tf.function`` (see
+`GraphCollectiveBackend`; Horovod fuses each group into buffers of ``HOROVOD_FUSION_THRESHOLD``). Initial weights come from rank 0
 through ``hvd.broadcast``; the Trainer's collectives are ``hvd.allreduce`` and Horovod's
 object functions.
 
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from polytrain.adapters.tensorflow.backend import TFBackend
+from polytrain.adapters.tensorflow.backend import GraphCollectiveBackend
 from polytrain.errors import BackendUnavailableError
 from polytrain.horovod.common import HOROVOD_CAPABLE_LAUNCHERS, _import_error
 
@@ -38,9 +38,8 @@ def horovod_unusable_reason(launcher: str) -> str | None:
     return None
 
 
-class HorovodBackend(TFBackend):
+class HorovodBackend(GraphCollectiveBackend):
     name = "horovod"
-    averages_in_graph = True
 
     def setup(self) -> None:
         reason = horovod_unusable_reason(self.world.launcher)

@@ -10,7 +10,8 @@ A ``TF_CONFIG`` already in the environment wins (it must agree with the World).
 The model's variables stay ordinary per-process variables; the strategy supplies the
 collectives: inside ``strategy.run`` the replica context's ``all_reduce`` (RING on CPU,
 NCCL on GPU, tensors packed up to the fusion threshold) averages the accumulated
-gradients, and ``all_gather`` carries the Trainer's metrics and objects. Keras'
+gradients after the compiled micro-step, one compiled call per bucket (see
+`GraphCollectiveBackend`), and ``all_gather`` carries the Trainer's metrics and objects. Keras'
 ``model.fit`` is not used: it does not work under this strategy with Keras 3.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from polytrain.adapters.tensorflow.backend import TFBackend
+from polytrain.adapters.tensorflow.backend import GraphCollectiveBackend
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
 from polytrain.mpi_fusion import fusion_threshold
 from polytrain.world import World, ensure_master
@@ -91,7 +92,7 @@ def gather_hosts(world: World) -> list[str]:
     return list(MPI.COMM_WORLD.allgather(socket.gethostname()))
 
 
-class MultiWorkerBackend(TFBackend):
+class MultiWorkerBackend(GraphCollectiveBackend):
     name = "tf-multiworker"
 
     def setup(self) -> None:
@@ -112,7 +113,6 @@ class MultiWorkerBackend(TFBackend):
         self.strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
                                                                   communication_options=options)
         self._worker_device = self.strategy.extended.worker_devices[0]
-        self.averages_in_graph = self.world.distributed
         self._gather_fns: dict[tuple[tuple[int, ...], str], Any] = {}
 
     # ---------------------------------------------------------------- collectives through the strategy

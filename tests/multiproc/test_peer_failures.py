@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 from procs import BIN, free_port, loopback_env, run
 
+from polytrain.horovod.common import _import_error
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 HERE = Path(__file__).resolve().parent
-SURVIVOR_LINE = re.compile(r"polytrain: error: rank 0: a collective failed during (forward|backward|forward/backward) "
+SURVIVOR_LINE = re.compile(r"polytrain: error: rank 0: a collective failed during (forward|backward|forward/backward|gradient allreduce) "
                            r"of step 7: ")
 #: What the survivor says about the lost rank: its heartbeat stopped — in the rendezvous store on torch, in
 #: the store rank 0 hosts for the watchdog on TensorFlow. Its last heartbeat is up to a second old.
@@ -100,15 +102,19 @@ def test_a_stalled_rank_is_named_by_the_waiting_rank_and_the_run_goes_on(tmp_pat
     assert json.loads((tmp_path / "model.json").read_text())["global_step"] == 23
 
 
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_under_mpirun_a_stalled_rank_is_named_too(tmp_path: Path, framework: str) -> None:
-    """The mpi backend has no store of its own: the ranks post their progress in one rank 0 hosts for
-    the watchdog, so rank 0, inside MPI_Allreduce, still names the rank that is behind."""
+@pytest.mark.parametrize("framework,backend", [("torch", "mpi"), ("tensorflow", "mpi"),
+                                               ("tensorflow", "tf-multiworker"), ("tensorflow", "horovod")])
+def test_under_mpirun_a_stalled_rank_is_named_too(tmp_path: Path, framework: str, backend: str) -> None:
+    """The mpi backend and TensorFlow's have no store of their own: the ranks post their progress in
+    one rank 0 hosts for the watchdog, so rank 0, inside the gradient allreduce (MPI's, the
+    strategy's or Horovod's), still names the rank that is behind."""
     pytest.importorskip("mpi4py")
     if framework == "tensorflow":
         pytest.importorskip("tensorflow")
+    if backend == "horovod" and _import_error("horovod.tensorflow") is not None:
+        pytest.skip("Horovod's TensorFlow ops are not built here")
     model = "faulty_model:make" if framework == "torch" else "faulty_keras:make"
-    sets = [f"framework={framework}", "backend=mpi", f"model.name={model}", "loop.epochs=1", f"output={tmp_path}",
+    sets = [f"framework={framework}", f"backend={backend}", f"model.name={model}", "loop.epochs=1", f"output={tmp_path}",
             "reliability.stall_warning_s=2"]
     cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", *[a for v in ("FAULT_RANK", "FAULT_AT", "FAULT_MODE",
            "FAULT_SLEEP", "PYTHONPATH") for a in ("-x", v)], sys.executable, "-m", "polytrain.cli", "train", "--quiet",

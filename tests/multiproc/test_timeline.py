@@ -20,6 +20,7 @@ from horovod_torch.hvd_launch import launch
 from procs import BIN, check, free_port, loopback_env, run
 
 from polytrain.checkpoint import read_model
+from polytrain.horovod.common import _import_error
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
@@ -92,6 +93,31 @@ def test_mpi_backend_timeline_under_mpirun_torch_and_tensorflow(tmp_path: Path) 
         document = train(mpirun, out, [f"framework={framework}", "backend=mpi"], env=env)
         assert_every_rank_recorded_training(document, out, ("data", "micro-step", "optimizer step"))
         assert len(events(document)[0]["bucket"]) > STEPS  # fused into more than one bucket per step
+
+
+@pytest.mark.parametrize("backend", ["tf-multiworker", "horovod"])
+def test_tensorflow_graph_collective_backends_record_each_bucket(tmp_path: Path, backend: str) -> None:
+    """tf-multiworker's strategy and Horovod's TF ops reduce after the compiled micro-step, one
+    compiled call per bucket: each is on the timeline with its bytes."""
+    pytest.importorskip("tensorflow")
+    if backend == "horovod" and _import_error("horovod.tensorflow") is not None:
+        pytest.skip("Horovod's TensorFlow ops are not built here")
+    env = loopback_env(POLYTRAIN_MPI_FUSION_BYTES="16384")  # several buckets per step
+    if backend == "horovod":
+        env.pop("MASTER_ADDR")
+        launcher = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "POLYTRAIN_MPI_FUSION_BYTES",
+                    sys.executable]
+    else:
+        launcher = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                    f"--master_port={free_port()}"]
+    document = train(launcher, tmp_path, ["framework=tensorflow", f"backend={backend}"], env=env)
+    assert document["otherData"]["backend"] == backend
+    assert_every_rank_recorded_training(document, tmp_path, ("data", "micro-step", "optimizer step"))
+    for named in events(document).values():
+        assert len(named["bucket"]) > STEPS  # more than one bucket per step
+        micro = sorted((e["ts"], e["ts"] + e["dur"]) for e in named["micro-step"])
+        for bucket in named["bucket"]:  # reduced after the compiled step, inside the micro-step span
+            assert any(start - 1 <= bucket["ts"] <= end + 1 for start, end in micro), bucket
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero2", "zero3"])
