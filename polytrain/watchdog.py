@@ -97,15 +97,14 @@ def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> St
     except ImportError:
         return None
     import datetime
-    import socket
 
-    from polytrain.world import listening_socket
+    from polytrain.world import listening_socket, route_address
 
     timeout = datetime.timedelta(seconds=3)
     endpoint, listener = None, None
     if world.rank == 0:
         try:
-            host = "127.0.0.1" if world.local_size == world.size else socket.gethostbyname(socket.gethostname())
+            host = "127.0.0.1" if world.local_size == world.size else route_address(world.master_addr)
             listener = listening_socket(host, 0, max(128, world.size))
             endpoint = (host, listener.getsockname()[1])
         except OSError:  # no address to offer: every rank goes on without a board

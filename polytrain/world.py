@@ -62,6 +62,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def route_address(peer: str | None = None) -> str:
+    """This host's IPv4 address on the route towards ``peer`` (default: the default route), which
+    other hosts can reach — unlike ``gethostbyname(gethostname())``, which is 127.0.1.1 or 127.0.0.1
+    on many distributions. A UDP connect sends nothing. Loopback for a loopback peer; the host
+    name's address when there is no route at all."""
+    if peer in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((socket.gethostbyname(peer) if peer else "192.0.2.1", 9))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
 def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     """A TCP socket listening on ``host:port`` (port 0: the OS picks one), kept open for the life of
     the process: a TCPStore serves on its file descriptor (``master_listen_fd``), so that the store

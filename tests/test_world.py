@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from polytrain.errors import EnvironmentDetectionError
-from polytrain.world import World, detect_world, ensure_master, free_port
+from polytrain.world import World, detect_world, ensure_master, free_port, route_address
 
 
 def test_world_defaults_are_one_process() -> None:
@@ -67,3 +67,19 @@ def test_import_polytrain_imports_no_framework_nor_mpi() -> None:
             "print(sorted(m for m in ('torch', 'tensorflow', 'mpi4py') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_route_address_is_one_other_hosts_can_reach():
+    """Not ``gethostbyname(gethostname())``, which is 127.0.1.1 (Debian) or 127.0.0.1 (here) on many hosts."""
+    import ipaddress
+
+    assert route_address("127.0.0.1") == "127.0.0.1"
+    address = route_address()
+    with socket.socket() as sock:
+        sock.bind((address, 0))  # an address of this host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:  # no route off this host at all: the host name's address is all there is
+            return
+    assert not ipaddress.ip_address(address).is_loopback

@@ -107,6 +107,11 @@ class MultiWorkerBackend(GraphCollectiveBackend):
         if self.world.distributed:
             world = ensure_master(self.world)
             config = tf_config_from_env(os.environ, world) or tf_config(world, gather_hosts(world))
+            port = config["cluster"]["worker"][world.rank].rsplit(":", 1)[1]
+            # TensorFlow's gRPC server binds 0.0.0.0 (hard-coded in grpc_server_lib.cc; no option
+            # narrows it): say so instead of implying loopback. polytrain's own sockets stay on loopback.
+            self.listen_address = (f"all interfaces, port {port} (TensorFlow's gRPC worker server cannot be bound "
+                                   "to one address; backend mpi keeps a single-node job off the network)")
             resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
                 tf.train.ClusterSpec(config["cluster"]), task_type="worker", task_id=world.rank, rpc_layer="grpc",
                 num_accelerators={"GPU": num_gpus} if num_gpus else None)

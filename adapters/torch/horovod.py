@@ -59,7 +59,9 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
     @property
     def label(self) -> str:
         """``horovod`` plus which implementation runs it (real Horovod or polytrain's)."""
-        return f"horovod ({'Horovod ' if self.impl == 'horovod' else 'polytrain '}implementation)"
+        if self.impl == "horovod":
+            return "horovod (Horovod implementation)"
+        return f"horovod (polytrain implementation{', over MPI' if self.hvd.mpi_enabled() else ''})"
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd

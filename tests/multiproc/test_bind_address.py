@@ -122,3 +122,21 @@ def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
     events = [json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()]
     assert {"event": "rendezvous", "listen": f"127.0.0.1:{port} (single node: loopback only)"}.items() <= \
         next(e for e in events if e["event"] == "rendezvous").items()
+
+
+def test_tf_multiworker_says_where_tensorflow_listens_and_keeps_polytrains_own_sockets_on_loopback(
+        tmp_path: Path) -> None:
+    """TensorFlow binds its gRPC worker server to 0.0.0.0 with no option to narrow it: rank 0's log
+    says so, and every other socket of the job (the watchdog's store) listens on loopback."""
+    pytest.importorskip("tensorflow")
+    port = free_port()
+    commands = [[sys.executable, "-m", "polytrain.cli", "train", "--set", "framework=tensorflow",
+                 "--set", "backend=tf-multiworker", "--set", "loop.epochs=1",
+                 "--set", f"output={tmp_path / str(rank)}"] for rank in (0, 1)]
+    codes, outputs, seen = watch(commands, single_node_env(port))
+    assert codes == [0, 0], outputs[0][1][-2000:]
+    # worker r listens on master_port + 1 + r, on every interface (IPv6's :: covers IPv4 too)
+    grpc = {address for address in seen if address.rsplit(":", 1)[1] in (str(port + 1), str(port + 2))}
+    assert len(grpc) == 2 and all(a.startswith(("0.0.0.0:", ":::")) for a in grpc), seen
+    assert all(address.startswith("127.0.0.1:") for address in seen - grpc), seen
+    assert f"rendezvous listens on all interfaces, port {port + 1} (TensorFlow's gRPC worker server" in outputs[0][1]

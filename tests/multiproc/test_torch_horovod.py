@@ -48,9 +48,10 @@ def command(launcher: str, nproc: int) -> list[str]:
             "--network-interface", "lo", sys.executable]
 
 
-def train(out: Path, sets: list[str], launcher: str, nproc: int) -> tuple[np.ndarray, dict, dict, str]:
+def train(out: Path, sets: list[str], launcher: str, nproc: int,
+          **extra_env: str) -> tuple[np.ndarray, dict, dict, str]:
     args = ["-m", "polytrain.cli", "train", *[a for s in [*LM, f"output={out}", *sets] for a in ("--set", s)]]
-    env = loopback_env()
+    env = loopback_env(**extra_env)
     if launcher in ("mpirun", "horovodrun-mpi", "horovodrun-gloo"):
         env.pop("MASTER_ADDR")  # as a user's shell would have it: Horovod/mpirun set up their own
     completed = check(run([*command(launcher, nproc), *args], env=env, timeout=450))
@@ -90,6 +91,14 @@ LAUNCHERS = [
 def test_horovod_backend_matches_one_process(tmp_path: Path, reference, launcher: str, implementation: str) -> None:
     result = train(tmp_path, ["backend=horovod", "data.batch_size=8"], launcher, 2)
     assert f"torch/horovod ({implementation}) on 2" in result[3], result[3][-3000:]
+    assert_matches(result, reference)
+
+
+def test_the_shim_under_mpirun_moves_gradients_over_mpi_and_matches_one_process(tmp_path: Path, reference) -> None:
+    """Without real Horovod, under mpirun the shim's buckets and the Trainer's collectives go over MPI."""
+    pytest.importorskip("mpi4py")
+    result = train(tmp_path, ["backend=horovod", "data.batch_size=8"], "mpirun", 2, POLYTRAIN_HOROVOD_IMPL="shim")
+    assert "torch/horovod (polytrain implementation, over MPI) on 2" in result[3], result[3][-3000:]
     assert_matches(result, reference)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import sys
 import time
 import urllib.error
@@ -32,7 +31,7 @@ from polytrain.horovod.common import (
     topology_from_world,
 )
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
-from polytrain.world import World, detect_world, ensure_master, free_port
+from polytrain.world import World, detect_world, ensure_master, free_port, route_address
 
 
 class HorovodInternalError(RuntimeError):
@@ -87,24 +86,12 @@ def runtime() -> Runtime:
 
 # ----------------------------------------------------------------------------- rendezvous
 
-def _host_address(peer: str) -> str:
-    """This host's address on the route towards ``peer`` (a UDP connect sends nothing)."""
-    if peer in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(peer), 9))
-            return str(s.getsockname()[0])
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-
-
 def _horovodrun_master(world: World, env: dict[str, str]) -> World:
     """Under ``horovodrun --gloo``: rank 0 publishes a torch master in horovodrun's HTTP KV store."""
     server = f"http://{env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{env['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
     url = f"{server}/polytrain/torch-master-{_init_count}"
     if world.rank == 0:
-        addr = _host_address(env["HOROVOD_GLOO_RENDEZVOUS_ADDR"])
+        addr = route_address(env["HOROVOD_GLOO_RENDEZVOUS_ADDR"])
         value = f"{addr}:{free_port(addr)}".encode()
         request = urllib.request.Request(url, data=value, method="PUT")
         urllib.request.urlopen(request, timeout=30).close()
