@@ -1,9 +1,10 @@
 """Horovod's asynchronous collectives: ``*_async`` → int handle → ``poll``/``synchronize``.
 
 Each op first exchanges a small metadata record with the other ranks (see `stall`; this
-blocks until every rank has submitted the op), then launches torch.distributed work with
-``async_op=True`` and returns; the data moves in the background. ``synchronize`` waits
-(monitored for stalls) and returns the output. Ops must be submitted in the same order
+blocks until every rank has submitted the op), then launches the data's collective
+asynchronously — on torch.distributed, or on MPI under an MPI launcher (see `transport`) —
+and returns; the data moves in the background. ``synchronize`` waits (monitored for
+stalls) and returns the output. Ops must be submitted in the same order
 on every rank — Horovod matches them by name instead; here a different order is reported
 as a mismatch on every rank rather than reordered.
 """
