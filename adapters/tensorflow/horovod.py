@@ -4,9 +4,9 @@ Horovod 0.28's ``DistributedGradientTape`` and Keras optimizer wrapper do not wo
 Keras 3, but its ops do: the adapter's compiled step sums each micro-step's gradients
 into accumulator variables, and after the last micro-step this backend averages them with
 one ``hvd.grouped_allreduce`` per bucket, each in its own ``tf.function`` (see
-`GraphCollectiveBackend`; Horovod fuses each group into buffers of ``HOROVOD_FUSION_THRESHOLD``). Initial weights come from rank 0
-through ``hvd.broadcast``; the Trainer's collectives are ``hvd.allreduce`` and Horovod's
-object functions.
+`GraphCollectiveBackend`; Horovod fuses each group into buffers of ``HOROVOD_FUSION_THRESHOLD``).
+Initial weights come from rank 0 through ``hvd.broadcast``; the Trainer's collectives are
+``hvd.allreduce`` and Horovod's object functions.
 
 Runs where Horovod can form its job: under horovodrun (gloo or MPI controller) and the
 MPI launchers. Without Horovod's TensorFlow ops the error says why and names ``mpi``,

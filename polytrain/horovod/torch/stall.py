@@ -100,14 +100,14 @@ def describe(record: Sequence[int], name: str | None) -> str:
 # ----------------------------------------------------------------------------- exchange
 
 def start_exchange(record: torch.Tensor, group: Any, size: int) -> tuple[Any, torch.Tensor]:
-    """Launch the all-gather of ``record``; returns (work, gathered[size, len])."""
-    gathered = torch.empty(size * record.numel(), dtype=torch.int64)
+    """Launch the all-gather of ``record`` (over MPI when the shim moves data there: see `transport`);
+    returns (work, gathered[size, len])."""
     if size == 1:
-        gathered.copy_(record)
-        return None, gathered.view(1, -1)
+        return None, record.clone().view(1, -1)
     engine = basics.runtime().mpi
     if engine is not None and group is None:
         return engine.exchange(record)
+    gathered = torch.empty(size * record.numel(), dtype=torch.int64)
     work = dist.all_gather_single(gathered, record, group=group, async_op=True)
     return work, gathered.view(size, -1)
 

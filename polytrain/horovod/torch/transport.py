@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from polytrain.horovod.common import Average, Max, Min, Product, Sum
+from polytrain.horovod.torch import basics
 
 TORCH_OPS = {Average: dist.ReduceOp.SUM, Sum: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
              Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}
@@ -184,8 +185,6 @@ def _mpi_unusable(world_size: int) -> str | None:
 # ----------------------------------------------------------------------------- dispatch
 
 def _engine_for(group: Any, *tensors: torch.Tensor) -> MpiEngine | None:
-    from polytrain.horovod.torch import basics
-
     engine = basics.runtime().mpi
     return engine if engine is not None and group is None and engine.carries(*tensors) else None
 
