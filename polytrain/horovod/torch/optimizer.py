@@ -308,10 +308,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             timeline.complete(f"gradient bucket {bucket.index}", "collective", bucket.launched_at, timeline.now(),
                               track=COLLECTIVES, op="allreduce", bytes=sent.numel() * sent.element_size(),
                               tensors=bucket.label())
-            reduced = scale_(self._compression.decompress(sent, ctx), post)
+            reduced = self._compression.decompress(sent, ctx)
+            # scale while copying back (one pass over the bucket, not two) where every gradient is dense
+            fused = reduced.is_floating_point() and not any(p.grad.is_sparse for p in bucket.params)
+            if not fused:
+                scale_(reduced, post)
             for p, offset in zip(bucket.params, bucket.offsets):
                 piece = reduced[offset:offset + p.numel()].view(p.shape)
-                if not p.grad.is_sparse:
+                if fused:
+                    torch.mul(piece, post, out=p.grad)
+                elif not p.grad.is_sparse:
                     p.grad.copy_(piece)
                 elif self.sparse_as_dense:
                     p.grad = piece.to_sparse()
