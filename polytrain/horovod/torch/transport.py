@@ -112,6 +112,7 @@ class MpiEngine:
                 work._error = exc
             finally:
                 work._done.set()
+                del item, call, work, _keep  # free the tensors now, not when the next op arrives
 
     def _submit(self, call: Callable[[], Any], *keep: torch.Tensor) -> MpiWork:
         work = MpiWork()
