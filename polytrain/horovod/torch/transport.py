@@ -8,10 +8,11 @@ world communicator, so the caller gets an asynchronous work object just as from
 ``torch.distributed``; mpi4py releases the GIL inside MPI, so backward goes on meanwhile.
 
 MPI carries what it can: CPU tensors of the global process set in dtypes MPI reduces
-natively. Everything else (CUDA tensors — NCCL —, float16/bfloat16, process sets,
-alltoall, reducescatter, the metadata records) stays on torch.distributed. The choice
-depends only on what every rank announced alike (the metadata check makes sure of that),
-so all ranks pick the same channel for each op.
+natively, and that set's metadata records (a non-blocking allgather on a second
+communicator, polled by the calling thread). Everything else (CUDA tensors — NCCL —,
+float16/bfloat16, process sets, alltoall, reducescatter) stays on torch.distributed. The
+choice depends only on what every rank announced alike (the metadata check makes sure of
+that), so all ranks pick the same channel for each op.
 
 ``HOROVOD_CPU_OPERATIONS=gloo`` keeps everything on gloo; ``=mpi`` insists on MPI.
 """
