@@ -68,8 +68,8 @@ def spec_dict(name: str, output: str, **extra: Any) -> dict[str, Any]:
 def worker(raw_json: str, checkpoint: str, loads: int, out_file: str) -> None:
     """Every rank: ``loads`` Trainer runs resuming from ``checkpoint`` with nothing left to train."""
     from polytrain import spec as spec_mod
+    from polytrain.environments import detect_world
     from polytrain.trainer import Position, Trainer
-    from polytrain.world import detect_world
 
     class TimedRestore(Trainer):
         seconds: float | None = None
@@ -108,7 +108,7 @@ def worker(raw_json: str, checkpoint: str, loads: int, out_file: str) -> None:
 
 
 def command(name: str, program: list[str]) -> tuple[list[str], dict[str, str]]:
-    from polytrain.world import free_port
+    from polytrain.net import free_port
 
     nproc, launcher, _ = BACKENDS[name]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "OMPI_MCA_btl_tcp_if_include": "lo",

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from polytrain.world import free_port
+from polytrain.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

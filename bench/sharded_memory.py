@@ -150,8 +150,8 @@ def worker(name: str, out_file: str, model: str) -> None:
     import numpy as np
 
     from polytrain import registry
+    from polytrain.environments import detect_world
     from polytrain.protocols import DatasetInfo
-    from polytrain.world import detect_world
 
     world = detect_world()
     tmp = tempfile.mkdtemp(prefix="polytrain-mem-")
@@ -186,7 +186,7 @@ def worker(name: str, out_file: str, model: str) -> None:
 
 
 def launch(name: str, out_file: Path, model: str) -> list[dict]:
-    from polytrain.world import free_port
+    from polytrain.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",

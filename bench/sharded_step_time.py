@@ -40,8 +40,8 @@ def worker(name: str, steps: int, out_file: str) -> None:
 
     from polytrain import registry
     from polytrain import spec as spec_mod
+    from polytrain.environments import detect_world
     from polytrain.protocols import DatasetInfo
-    from polytrain.world import detect_world
 
     world = detect_world()
     raw = {**BACKENDS[name], "output": tempfile.mkdtemp(prefix="polytrain-steptime-"),
@@ -70,7 +70,7 @@ def worker(name: str, steps: int, out_file: str) -> None:
 
 
 def launch(name: str, steps: int, out_file: Path) -> float:
-    from polytrain.world import free_port
+    from polytrain.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",

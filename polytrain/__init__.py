@@ -3,7 +3,8 @@
 Importing this package imports no framework.
 """
 
-from polytrain.world import World, detect_world
+from polytrain.environments import detect_world
+from polytrain.world import World
 
 __version__ = "0.1.0"
 __all__ = ["World", "detect_world", "__version__"]

@@ -98,7 +98,7 @@ def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> St
         return None
     import datetime
 
-    from polytrain.world import listening_socket, route_address
+    from polytrain.net import listening_socket, route_address
 
     timeout = datetime.timedelta(seconds=3)
     endpoint, listener = None, None

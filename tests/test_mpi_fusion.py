@@ -45,7 +45,7 @@ WORKER = textwrap.dedent("""\
     import json, sys
     import numpy as np
     from polytrain.mpi_fusion import MpiCollectives
-    from polytrain.world import detect_world
+    from polytrain.environments import detect_world
     world = detect_world()
     mpi = MpiCollectives(world.rank, world.size, world.launcher, fusion_bytes=int(sys.argv[2]))
     r = world.rank

@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
+from polytrain.environments import detect_world, ensure_master
 from polytrain.errors import EnvironmentDetectionError
-from polytrain.world import World, detect_world, ensure_master, free_port, route_address
+from polytrain.net import free_port, route_address
+from polytrain.world import World
 
 
 def test_world_defaults_are_one_process() -> None:

@@ -28,9 +28,10 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.adapters.tensorflow.backend import GraphCollectiveBackend
+from polytrain.environments import ensure_master
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
 from polytrain.mpi_fusion import fusion_threshold
-from polytrain.world import World, ensure_master
+from polytrain.world import World
 
 REDUCERS = {"sum": np.sum, "max": np.max, "min": np.min}
 

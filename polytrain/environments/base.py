@@ -20,7 +20,7 @@ class Environment:
     """One launcher: tell whether it started this process, and read the World it describes."""
 
     launcher: ClassVar[str] = ""
-    #: The processes can agree on a master address over MPI (see ``polytrain.world.ensure_master``).
+    #: The processes can agree on a master address over MPI (see ``polytrain.environments.ensure_master``).
     speaks_mpi: ClassVar[bool] = False
 
     @classmethod

@@ -3,7 +3,7 @@
 MPI launchers tell rank, size and the processes on this node, but neither a node index
 nor a rendezvous address for non-MPI collectives. The node index is derived assuming
 ranks fill nodes in order (mpirun's default); MASTER_ADDR/MASTER_PORT are used when the
-user exported them, otherwise the port stays None and ``polytrain.world.ensure_master``
+user exported them, otherwise the port stays None and ``polytrain.environments.ensure_master``
 agrees on one over MPI.
 """
 

@@ -213,7 +213,7 @@ HOROVOD_CAPABLE_LAUNCHERS = frozenset({"horovodrun-gloo", "horovodrun-mpi", "ope
 
 
 def _launcher(env: Mapping[str, str] | None) -> str | None:
-    from polytrain.world import detect_world
+    from polytrain.environments import detect_world
 
     try:
         return detect_world(env).launcher

@@ -7,8 +7,8 @@ import os
 import pytest
 from environments.launcher_dumps import all_dump_names, load_dump
 
-from polytrain.environments import PRECEDENCE, by_launcher, detect, environment_for
-from polytrain.world import World, detect_world
+from polytrain.environments import PRECEDENCE, by_launcher, detect, detect_world, environment_for
+from polytrain.world import World
 
 # name: (rank, size, local_rank, local_size, node_rank, num_nodes, master_addr, master_port, launcher)
 EXPECTED = {

@@ -17,8 +17,8 @@ import json
 import sys
 
 from polytrain import spec as spec_mod
+from polytrain.environments import detect_world
 from polytrain.trainer import Trainer
-from polytrain.world import detect_world
 
 
 def main(plan_json: str) -> None:

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 SHOW_WORLD = """
 import dataclasses, json, sys
-from polytrain.world import detect_world, ensure_master
+from polytrain.environments import detect_world, ensure_master
 world = detect_world()
 if sys.argv[1:] == ["--agree"]:
     world = ensure_master(world)

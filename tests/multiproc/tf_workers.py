@@ -25,9 +25,10 @@ from polytrain import registry
 from polytrain import spec as spec_mod
 from polytrain.checkpoint import read_model, state_digest
 from polytrain.data import epoch_plan, global_batch_size, load_dataset, steps_per_epoch
+from polytrain.environments import detect_world
 from polytrain.schedule import lr_at
 from polytrain.trainer import Trainer
-from polytrain.world import World, detect_world
+from polytrain.world import World
 
 
 def reference(spec_path: str, out: str) -> None:

@@ -1,7 +1,7 @@
 """polytrain's own Horovod basics: start MPI (or nothing, for one process) and report the topology.
 
 The ranks come from MPI's world communicator; local and cross ranks from the launcher's
-environment (``polytrain.world.detect_world``), exchanged once so every rank knows every
+environment (``polytrain.environments.detect_world``), exchanged once so every rank knows every
 rank's node (``polytrain.horovod.common.topology_from_records``).
 """
 
@@ -24,7 +24,7 @@ _state: dict = {}
 
 def _open_transport(comm) -> tuple:
     from polytrain.environments import environment_for
-    from polytrain.world import detect_world
+    from polytrain.environments import detect_world
 
     world = detect_world()
     launcher = environment_for(os.environ)

@@ -1,8 +1,8 @@
 """``hvd.init()`` and the topology queries, on torch.distributed.
 
-`init` reads the World the launcher left (`polytrain.world.detect_world`), agrees on a
+`init` reads the World the launcher left (`polytrain.environments.detect_world`), agrees on a
 rendezvous address where the launcher does not give one (horovodrun's gloo mode through
-its HTTP key-value server, MPI launchers through ``polytrain.world.ensure_master``),
+its HTTP key-value server, MPI launchers through ``polytrain.environments.ensure_master``),
 starts one torch.distributed process group (gloo for CPU tensors, plus NCCL for CUDA
 tensors when there is a GPU) and keeps its key-value store for stall reports and join.
 """
@@ -31,7 +31,9 @@ from polytrain.horovod.common import (
     topology_from_world,
 )
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
-from polytrain.world import World, detect_world, ensure_master, free_port, route_address
+from polytrain.world import World
+from polytrain.environments import detect_world, ensure_master
+from polytrain.net import free_port, keep_gloo_on_loopback, route_address
 
 
 class HorovodInternalError(RuntimeError):
@@ -114,7 +116,7 @@ def agree_master(world: World, env: dict[str, str]) -> World:
     """``world`` with a master address and port every rank agrees on.
 
     horovodrun's gloo mode names only its own HTTP server: rank 0 publishes a master
-    there. MPI launchers agree over MPI (``polytrain.world.ensure_master``).
+    there. MPI launchers agree over MPI (``polytrain.environments.ensure_master``).
     """
     if world.size == 1 or world.master_known:
         return world
@@ -146,9 +148,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if world.size == 1:
             store = dist.HashStore()
         else:  # rank 0 (or torchrun's agent) hosts it; on a loopback master it and gloo listen on loopback only
-            from polytrain.adapters.torch.backend import keep_gloo_on_loopback, rendezvous_store
+            from polytrain.adapters.torch.backend import rendezvous_store
 
-            keep_gloo_on_loopback(world)
+            keep_gloo_on_loopback(world.master_addr)
             store = rendezvous_store(world, dist.constants.default_pg_timeout)
         # Keys of one start never meet those of an earlier one: torchrun keeps its store across
         # restarts, and elastic.run re-initialises in the same process.

@@ -1,0 +1,64 @@
+"""Launcher detection: one small class per launcher, tried in the order of ``PRECEDENCE``.
+
+The order matters where launchers nest: torchrun, polytrain's local launcher and the
+DeepSpeed launcher run inside Slurm allocations (their workers inherit SLURM_*);
+horovodrun in MPI mode *is* an mpirun; mpirun runs inside Slurm and LSF allocations; jsrun
+with Spectrum MPI also exports Open MPI's variables. The first class whose ``detect``
+accepts the environment builds the World.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from polytrain.environments.base import Environment
+from polytrain.environments.deepspeed import DeepSpeedEnvironment
+from polytrain.environments.horovod import HorovodGlooEnvironment, HorovodMpiEnvironment
+from polytrain.environments.lsf import LsfEnvironment
+from polytrain.environments.mpi import (
+    IntelMpiEnvironment,
+    MpichEnvironment,
+    MvapichEnvironment,
+    OpenMpiEnvironment,
+)
+from polytrain.environments.single import SingleProcessEnvironment
+from polytrain.environments.slurm import SlurmEnvironment
+from polytrain.environments.torchrun import EnvInitEnvironment, PolytrainLocalEnvironment, TorchrunEnvironment
+from polytrain.world import World
+
+PRECEDENCE: tuple[type[Environment], ...] = (
+    PolytrainLocalEnvironment,
+    TorchrunEnvironment,
+    DeepSpeedEnvironment,
+    HorovodGlooEnvironment,
+    HorovodMpiEnvironment,
+    LsfEnvironment,
+    OpenMpiEnvironment,
+    MvapichEnvironment,
+    IntelMpiEnvironment,
+    MpichEnvironment,
+    SlurmEnvironment,
+    EnvInitEnvironment,
+    SingleProcessEnvironment,
+)
+
+
+def environment_for(env: Mapping[str, str]) -> type[Environment]:
+    """The first launcher class in ``PRECEDENCE`` that recognises ``env``."""
+    return next(cls for cls in PRECEDENCE if cls.detect(env))
+
+
+def by_launcher(name: str) -> type[Environment] | None:
+    """The class whose ``launcher`` is ``name`` (None for an unknown name)."""
+    return next((cls for cls in PRECEDENCE if cls.launcher == name), None)
+
+
+def detect(env: Mapping[str, str]) -> World:
+    """The World the launcher described in ``env``; raises EnvironmentDetectionError on a bad dump."""
+    return environment_for(env).world(env)
+
+
+def detect_world(env: Mapping[str, str] | None = None) -> World:
+    """The World of this process (``env`` default: ``os.environ``)."""
+    return detect(os.environ if env is None else env)

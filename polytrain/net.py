@@ -1,0 +1,95 @@
+"""Network helpers shared by launchers, backends and side channels: ports, addresses, listeners.
+
+Nothing here imports a framework. Single-host jobs keep everything on loopback; multi-host jobs
+advertise the address on the route towards the master (see `route_address`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` right now (the OS picks it; "" means every interface)."""
+    if host == "":
+        family, sockaddr = socket.AF_INET, ("", 0)
+    else:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(sockaddr)
+        return int(sock.getsockname()[1])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host) if host == "localhost" else host).is_loopback
+    except (ValueError, OSError):
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def keep_gloo_on_loopback(master_addr: str | None) -> None:
+    """On a loopback master every rank is on this host: gloo needs no other interface (unless the user
+    named one with ``GLOO_SOCKET_IFNAME``)."""
+    if is_loopback(str(master_addr)) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = loopback_interface()
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def route_address(peer: str | None = None) -> str:
+    """This host's IPv4 address on the route towards ``peer`` (default: the default route), which
+    other hosts can reach — unlike ``gethostbyname(gethostname())``, which is 127.0.1.1 or 127.0.0.1
+    on many distributions. A UDP connect sends nothing. Loopback for a loopback peer; the host
+    name's address when there is no route at all."""
+    if peer in LOOPBACK_NAMES:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((socket.gethostbyname(peer) if peer else "192.0.2.1", 9))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def address_for_peers(hosts: list[str]) -> str:
+    """Rank 0's address as the other ranks can reach it (``hosts[0]`` is rank 0's host name; loopback
+    when every rank shares it)."""
+    peers = [h for h in hosts if h != hosts[0]]
+    if not peers:
+        return "127.0.0.1"
+    try:
+        peer_ip = socket.gethostbyname(peers[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer_ip, 9))  # a UDP connect sends nothing; it only picks the route's interface
+            return str(probe.getsockname()[0])
+    except OSError:
+        return hosts[0]
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (port 0: the OS picks one), kept open for the life of
+    the process: a TCPStore serves on its file descriptor (``master_listen_fd``), so that the store
+    listens on that address only, not on every interface as it would bind by itself."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    _LISTENING.append(sock)
+    return sock
+
+
+_LISTENING: list[socket.socket] = []
