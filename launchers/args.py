@@ -158,7 +158,7 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
 
 def launch_from_args(args: argparse.Namespace) -> int:
     """``polytrain launch``: write the batch script, print the dry run, or run; returns the exit code."""
-    from polytrain.launchers import run
+    from polytrain.launchers.dispatch import run
     from polytrain.launchers.srun import emit_sbatch
 
     req = request_from_args(args)

@@ -9,6 +9,7 @@ only in `run`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from polytrain.errors import LaunchError
 from polytrain.launchers.processes import supervise
+from polytrain.net import free_port
 
 LAUNCHER_NAMES = ("torchrun", "mpirun", "horovodrun", "srun", "deepspeed", "local")
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
@@ -177,11 +179,17 @@ def is_single_local_host(req: LaunchRequest) -> bool:
     return all(host in local for host, _ in req.hosts)
 
 
-def free_port(host: str = "") -> int:
-    """A TCP port nobody listens on right now (the kernel's pick; racy only in theory)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+#: Launchers whose single-host command carries a rendezvous port that polytrain picks.
+PICKS_LOCAL_PORT = ("torchrun", "mpirun", "deepspeed", "horovodrun")
+
+
+def with_master_port(req: LaunchRequest) -> LaunchRequest:
+    """``req`` with a free port chosen once for a single-host job that names none, before any command is
+    built: the builders stay pure, and ``--dry-run`` prints the port the real run would use. (The
+    ``local`` launcher picks a fresh port for every restart attempt itself.)"""
+    if req.master_port is not None or req.launcher not in PICKS_LOCAL_PORT or not is_single_local_host(req):
+        return req
+    return dataclasses.replace(req, master_port=free_port(""))
 
 
 def find_binary(name: str) -> str | None:

@@ -25,7 +25,6 @@ from polytrain.launchers.base import (
     LaunchRequest,
     check_slots,
     first_host,
-    free_port,
     is_single_local_host,
     procs_per_node,
     python_entry,
@@ -60,7 +59,7 @@ class DeepspeedLauncher(CommandLauncher):
             if req.num_nodes == 1:
                 command.append("--force_multi")  # one remote host: DeepSpeed would otherwise run locally
         else:
-            command += ["--master_port", str(req.master_port or free_port())]
+            command += ["--master_port", str(req.master_port or DEFAULT_MASTER_PORT)]
         command.append("--no_local_rank")
         return command + list(req.extra_args) + _program_args(req.program)
 

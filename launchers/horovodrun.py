@@ -37,7 +37,6 @@ from polytrain.launchers.base import (
     check_slots,
     find_binary,
     first_host,
-    free_port,
     is_single_local_host,
     refuse_restarts,
 )
@@ -118,7 +117,7 @@ def fallback_environments(req: LaunchRequest, port: int, restart_count: int = 0)
 
 def mpirun_fallback_request(req: LaunchRequest) -> LaunchRequest:
     """The mpirun request that stands in for horovodrun across several hosts (or for ``--mpi``)."""
-    port = req.master_port or (free_port() if is_single_local_host(req) else mpirun.DEFAULT_REMOTE_MASTER_PORT)
+    port = req.master_port or mpirun.DEFAULT_REMOTE_MASTER_PORT
     addr = req.master_addr or first_host(req) or local.LOOPBACK
     if req.horovod.controller == "mpi":
         env = {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi", **tunable_env(req),

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Callable, Mapping
 
 from polytrain.errors import LaunchError
-from polytrain.launchers.base import LaunchRequest, format_command, free_port, is_single_local_host
+from polytrain.launchers.base import LaunchRequest, format_command, is_single_local_host
 from polytrain.launchers.processes import GRACE_SECONDS, supervise
+from polytrain.net import free_port
 
 LOOPBACK = "127.0.0.1"
 

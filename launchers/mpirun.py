@@ -27,7 +27,6 @@ from polytrain.launchers.base import (
     check_slots,
     find_binary,
     first_host,
-    free_port,
     is_single_local_host,
     master_env,
     refuse_restarts,
@@ -88,7 +87,7 @@ def physical_cores() -> int:
 def worker_env(req: LaunchRequest) -> dict[str, str]:
     """What every rank gets exported: MASTER_ADDR/MASTER_PORT, then ``req.env`` (which wins)."""
     if is_single_local_host(req):
-        master = master_env(req, "127.0.0.1", req.master_port or free_port())
+        master = master_env(req, "127.0.0.1", req.master_port or DEFAULT_REMOTE_MASTER_PORT)
     else:
         master = master_env(req, first_host(req) or "127.0.0.1", DEFAULT_REMOTE_MASTER_PORT)
     return {**master, **req.env}

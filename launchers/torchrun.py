@@ -1,6 +1,6 @@
 """``torchrun`` (torch.distributed.elastic) command lines.
 
-Single node: c10d rendezvous on ``127.0.0.1:<free port>`` with ``--local_addr``
+Single node: c10d rendezvous on ``127.0.0.1:<port>`` (a free one, chosen by ``with_master_port``) with ``--local_addr``
 pinned to loopback — unlike ``--standalone`` this never depends on how the
 machine's hostname resolves, and workers get ``MASTER_ADDR=127.0.0.1``.
 Several nodes: c10d rendezvous at ``--master-addr`` (default: the first host),
@@ -19,7 +19,6 @@ from polytrain.launchers.base import (
     CommandLauncher,
     LaunchRequest,
     first_host,
-    free_port,
     is_single_local_host,
     procs_per_node,
     python_entry,
@@ -44,7 +43,7 @@ class TorchrunLauncher(CommandLauncher):
         command = ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={per_node}", "--rdzv_backend=c10d"]
         if nodes == 1 and is_single_local_host(req):
             addr = req.master_addr or "127.0.0.1"
-            command.append(f"--rdzv_endpoint={addr}:{req.master_port or free_port()}")
+            command.append(f"--rdzv_endpoint={addr}:{req.master_port or DEFAULT_RDZV_PORT}")
             if addr in _LOOPBACK_NAMES:
                 command.append("--local_addr=127.0.0.1")
         else:

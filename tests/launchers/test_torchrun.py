@@ -39,11 +39,27 @@ def test_non_python_program_uses_no_python():
     assert cmd[-3:] == ["--no_python", "/usr/bin/env", "true"]
 
 
-def test_free_port_when_none_given():
-    cmd = build_command(req(master_port=None))
-    endpoint = next(a for a in cmd if a.startswith("--rdzv_endpoint="))
-    host, port = endpoint.split("=", 1)[1].rsplit(":", 1)
-    assert host == "127.0.0.1" and 1024 <= int(port) < 65536
+def test_builder_is_pure_and_the_port_is_chosen_once_before_it(capsys, monkeypatch):
+    """A single-host job without --master-port gets one free port, picked before any command is built:
+    the builder returns the same command every time, and --dry-run prints the port run() would use."""
+    from polytrain import launchers
+    from polytrain.launchers import base, dispatch
+
+    bare = req(master_port=None)
+    assert build_command(bare) == build_command(bare)  # no free_port() inside the builder
+    chosen = base.with_master_port(bare)
+    assert chosen.master_port is not None and 1024 <= chosen.master_port < 65536
+    assert f"--rdzv_endpoint=127.0.0.1:{chosen.master_port}" in build_command(chosen)
+    assert base.with_master_port(chosen) == chosen  # a given port is kept
+    assert base.with_master_port(req(master_port=None, hosts=[("n1", 1), ("n2", 1)])).master_port is None
+
+    monkeypatch.setattr(base, "free_port", lambda host="": 40123)
+    launchers.run(bare, dry_run=True)
+    assert "--rdzv_endpoint=127.0.0.1:40123" in capsys.readouterr().out
+    started = []
+    monkeypatch.setattr(dispatch.LAUNCHERS["torchrun"], "run", lambda r: started.append(r) or 0)
+    assert launchers.run(bare) == 0
+    assert "--rdzv_endpoint=127.0.0.1:40123" in build_command(started[0])
 
 
 def test_multi_node_from_hosts():
