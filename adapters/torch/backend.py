@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import os
 import re
-import socket
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,9 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polytrain.net import is_loopback, keep_gloo_on_loopback, listening_socket
 from polytrain.spec import TrainSpec
-from polytrain.timeline import NULL
-from polytrain.world import World, listening_socket
+from polytrain.timeline import NULL, Timeline
+from polytrain.watchdog import Activity, PeerBoard
+from polytrain.world import World
 
 REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
@@ -68,29 +68,6 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size, is_master=hosting,
                           timeout=timeout, master_listen_fd=listen_fd)
     return dist.PrefixStore(store_prefix(), store)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback (127.0.0.0/8, ::1, localhost)."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host) if host == "localhost" else host).is_loopback
-    except (ValueError, OSError):
-        return False
-
-
-def loopback_interface() -> str | None:
-    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
-    names = [name for _, name in socket.if_nameindex()]
-    return next((name for name in ("lo", "lo0") if name in names), None)
-
-
-def keep_gloo_on_loopback(world: World) -> None:
-    """On a loopback master every rank is on this host: gloo needs no other interface (unless the user
-    named one with ``GLOO_SOCKET_IFNAME``)."""
-    if is_loopback(str(world.master_addr)) and "GLOO_SOCKET_IFNAME" not in os.environ:
-        interface = loopback_interface()
-        if interface:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 def listen_address(world: World) -> str:
@@ -154,18 +131,21 @@ class SyncAfterLastBackward:
 
 
 class TorchBackend:
+    """The base of every PyTorch backend; implements `polytrain.protocols.Backend`."""
+
     name = "base"
-    #: where the backend records its collectives (the Trainer sets it before ``setup``)
-    timeline: Any = NULL
-    #: the Trainer's `polytrain.watchdog.Activity` (None outside a Trainer)
-    activity: Any = None
+    #: set by `setup` when a rendezvous store listens (see `listen_address`)
+    listen_address: str | None = None
     #: whether the timeline records every torch.distributed collective (`tracing.CollectiveTracer`): for
     #: backends whose collectives a library issues (FSDP, DeepSpeed); the others record their own buckets
     traces_collectives = False
 
-    def __init__(self, spec: TrainSpec, world: World) -> None:
+    def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
+                 activity: Activity | None = None) -> None:
         self.spec = spec
         self.world = world
+        self.timeline = timeline
+        self.activity = activity
         cuda = torch.cuda.is_available()
         self.device = torch.device(choose_device(cuda, world.local_rank))
         if cuda:
@@ -180,11 +160,11 @@ class TorchBackend:
             self._tracer = CollectiveTracer(self.timeline, self.activity).install()
         if not self.world.distributed or dist.is_initialized():
             return
-        from polytrain.world import ensure_master
+        from polytrain.environments import ensure_master
 
         world = ensure_master(self.world)
         self._store_endpoint = (str(world.master_addr), int(world.master_port))
-        keep_gloo_on_loopback(world)
+        keep_gloo_on_loopback(world.master_addr)
         self.listen_address = listen_address(world)
         reliability = self.spec.reliability
         try:
@@ -207,7 +187,7 @@ class TorchBackend:
         backends whose library needs one anyway (FSDP, DeepSpeed)."""
         if dist.is_initialized():
             return
-        from polytrain.world import free_port
+        from polytrain.net import free_port
 
         dist.init_process_group(
             backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
@@ -215,7 +195,11 @@ class TorchBackend:
             timeout=datetime.timedelta(seconds=300))
         self._owns_group = True
 
-    def progress_board(self) -> Any | None:
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def progress_board(self) -> PeerBoard | None:
         """A store client of its own (for the stall watchdog's thread) on the store the ranks met in."""
         endpoint = getattr(self, "_store_endpoint", None)
         if endpoint is None:
