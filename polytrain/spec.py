@@ -3,169 +3,128 @@
 A spec is loaded from YAML, TOML, JSON or a dict. Every invalid input raises a
 `SpecError` whose one-line message names the field (``optimizer.lr``) and what is
 allowed. Validation is driven by the dataclass fields themselves: their type hints
-plus a small ``metadata`` rule (``choices``, ``min``, ``max``) per field.
+plus a small ``metadata`` rule (``choices``, ``min``, ``max``) per field (`polytrain.schema`).
+Backends' option tables live in `polytrain.backend_options`, named by their registry rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import hashlib
 import json
-import math
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polytrain import schema
+from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import SpecError
+from polytrain.schema import rule
 
 FRAMEWORKS = ("torch", "tensorflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def _rule(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        raise TypeError("use a tuple or a Mapping default")
-    return field(default=default, metadata=meta)
-
-
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str = _rule("mlp")  # a zoo name, or an import path "package.module:factory"
+    name: str = rule("mlp")  # a zoo name, or an import path "package.module:factory"
     params: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class SyntheticSpec:
-    task: str = _rule("classification", choices=("classification", "regression"))
-    samples: int = _rule(2048, min=8)
-    features: int = _rule(32, min=1)
-    classes: int = _rule(4, min=2)
-    noise: float = _rule(0.1, min=0.0)
-    seed: int = _rule(0, min=0)
+    task: str = rule("classification", choices=("classification", "regression"))
+    samples: int = rule(2048, min=8)
+    features: int = rule(32, min=1)
+    classes: int = rule(4, min=2)
+    noise: float = rule(0.1, min=0.0)
+    seed: int = rule(0, min=0)
 
 
 @dataclass(frozen=True)
 class TokenSpec:
     """A deterministic token corpus for next-token prediction (see `polytrain.data`)."""
 
-    samples: int = _rule(1024, min=8)  # sequences
-    seq_len: int = _rule(32, min=2)  # tokens per input sequence
-    vocab: int = _rule(32, min=2)
-    noise: float = _rule(0.1, min=0.0, max=1.0)  # share of tokens drawn at random instead of by the rule
-    seed: int = _rule(0, min=0)
+    samples: int = rule(1024, min=8)  # sequences
+    seq_len: int = rule(32, min=2)  # tokens per input sequence
+    vocab: int = rule(32, min=2)
+    noise: float = rule(0.1, min=0.0, max=1.0)  # share of tokens drawn at random instead of by the rule
+    seed: int = rule(0, min=0)
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    name: str = _rule("digits", choices=("digits", "synthetic", "npz", "tokens"))
+    name: str = rule("digits", choices=("digits", "synthetic", "npz", "tokens"))
     path: str | None = None
-    batch_size: int = _rule(32, min=1)  # per worker, per micro-step
+    batch_size: int = rule(32, min=1)  # per worker, per micro-step
     # When set, a step takes this many samples whatever the world size (split across ranks and
     # micro-steps), so runs at different world sizes see the same batches; batch_size is then unused.
-    global_batch_size: int | None = _rule(None, min=1)
-    val_fraction: float = _rule(0.2, min=0.0, max=0.9)
+    global_batch_size: int | None = rule(None, min=1)
+    val_fraction: float = rule(0.2, min=0.0, max=0.9)
     synthetic: SyntheticSpec = field(default_factory=SyntheticSpec)
     tokens: TokenSpec = field(default_factory=TokenSpec)
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    name: str = _rule("sgd", choices=("sgd", "adam", "adamw"))
-    lr: float = _rule(0.05, min=0.0, min_exclusive=True)
-    momentum: float = _rule(0.0, min=0.0, max=1.0)
+    name: str = rule("sgd", choices=("sgd", "adam", "adamw"))
+    lr: float = rule(0.05, min=0.0, min_exclusive=True)
+    momentum: float = rule(0.0, min=0.0, max=1.0)
     nesterov: bool = False
-    weight_decay: float = _rule(0.0, min=0.0)
+    weight_decay: float = rule(0.0, min=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = _rule(1e-8, min=0.0, min_exclusive=True)
+    eps: float = rule(1e-8, min=0.0, min_exclusive=True)
 
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    lr_scaling: str = _rule("none", choices=("linear", "sqrt", "none"))
-    warmup_epochs: float = _rule(0.0, min=0.0)
-    decay: str = _rule("none", choices=("none", "cosine", "step"))
-    step_epochs: int = _rule(1, min=1)  # step decay: multiply by gamma every step_epochs
-    gamma: float = _rule(0.1, min=0.0, max=1.0)
-    min_lr: float = _rule(0.0, min=0.0)
+    lr_scaling: str = rule("none", choices=("linear", "sqrt", "none"))
+    warmup_epochs: float = rule(0.0, min=0.0)
+    decay: str = rule("none", choices=("none", "cosine", "step"))
+    step_epochs: int = rule(1, min=1)  # step decay: multiply by gamma every step_epochs
+    gamma: float = rule(0.1, min=0.0, max=1.0)
+    min_lr: float = rule(0.0, min=0.0)
 
 
 @dataclass(frozen=True)
 class LoopSpec:
-    epochs: int = _rule(10, min=1)
-    max_steps: int | None = _rule(None, min=1)
-    grad_accum_steps: int = _rule(1, min=1)
-    grad_clip_norm: float | None = _rule(None, min=0.0, min_exclusive=True)
-    log_every_n_steps: int = _rule(10, min=1)
+    epochs: int = rule(10, min=1)
+    max_steps: int | None = rule(None, min=1)
+    grad_accum_steps: int = rule(1, min=1)
+    grad_clip_norm: float | None = rule(None, min=0.0, min_exclusive=True)
+    log_every_n_steps: int = rule(10, min=1)
 
 
 @dataclass(frozen=True)
 class CheckpointSpec:
     dir: str | None = None  # default: <output>/checkpoints
-    every_n_steps: int | None = _rule(None, min=1)
-    every_n_epochs: int | None = _rule(None, min=1)
-    keep_last: int = _rule(3, min=1)
-
-
-FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
-
-
-@dataclass(frozen=True)
-class FSDPSpec:
-    """Options of backend ``fsdp`` (FSDP2 ``fully_shard``)."""
-
-    sharding: str = _rule("full_shard", choices=FSDP_SHARDING)
-    # Module classes (class name or module.QualName) sharded as units; null: the blocks the model declares.
-    units: tuple[str, ...] | None = None
-    activation_checkpointing: bool = False  # recompute each unit's activations in the backward pass
-    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
-    reduce_fp32: bool = True  # with precision bf16/fp16: reduce gradients in fp32 (else in the compute dtype)
-
-
-@dataclass(frozen=True)
-class DeepSpeedSpec:
-    """Options of backend ``deepspeed``; ``config`` overrides any key of the generated DeepSpeed config."""
-
-    stage: int = _rule(2, choices=(0, 1, 2, 3))  # ZeRO stage
-    offload_optimizer: bool = False  # optimizer state and step on the CPU (ZeRO-Offload, stage >= 1)
-    offload_param: bool = False  # parameters in CPU memory (ZeRO-Infinity, stage 3)
-    save_checkpoint: bool = False  # also write DeepSpeed's own checkpoint to <output>/deepspeed_checkpoint
-    config: Mapping[str, Any] = field(default_factory=dict)  # merged key by key over the generated config
-
-
-@dataclass(frozen=True)
-class HorovodSpec:
-    """Options of backend ``horovod`` (PyTorch and TensorFlow)."""
-
-    compression: str = _rule("none", choices=("none", "fp16"))  # fp16: gradients travel as float16
+    every_n_steps: int | None = rule(None, min=1)
+    every_n_epochs: int | None = rule(None, min=1)
+    keep_last: int = rule(3, min=1)
 
 
 @dataclass(frozen=True)
 class ReliabilitySpec:
     """What to do when training goes wrong, and how long to wait before calling it a failure."""
 
-    on_nonfinite: str = _rule("stop", choices=("stop", "skip"))  # a NaN/Inf loss or gradient
-    verify_every_n_steps: int | None = _rule(None, min=1)  # checksum the replicas across ranks
-    collective_timeout_s: float = _rule(300.0, min=1.0)  # a collective not done by then fails the job
-    stall_warning_s: float = _rule(60.0, min=0.1)  # warn (naming the ranks behind) when stuck this long
-    startup_timeout_s: float = _rule(120.0, min=1.0)  # every rank must have met the others by then
+    on_nonfinite: str = rule("stop", choices=("stop", "skip"))  # a NaN/Inf loss or gradient
+    verify_every_n_steps: int | None = rule(None, min=1)  # checksum the replicas across ranks
+    collective_timeout_s: float = rule(300.0, min=1.0)  # a collective not done by then fails the job
+    stall_warning_s: float = rule(60.0, min=0.1)  # warn (naming the ranks behind) when stuck this long
+    startup_timeout_s: float = rule(120.0, min=1.0)  # every rank must have met the others by then
     startup_check: bool = True  # compare spec digest, parameters and library versions across ranks
 
 
 @dataclass(frozen=True)
 class TrainSpec:
-    framework: str = _rule("torch", choices=FRAMEWORKS)
+    framework: str = rule("torch", choices=FRAMEWORKS)
     backend: str = "auto"
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     loop: LoopSpec = field(default_factory=LoopSpec)
-    precision: str = _rule("fp32", choices=PRECISIONS)
-    seed: int = _rule(0, min=0)
+    precision: str = rule("fp32", choices=PRECISIONS)
+    seed: int = rule(0, min=0)
     output: str = "runs/polytrain"
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     reliability: ReliabilitySpec = field(default_factory=ReliabilitySpec)
@@ -174,14 +133,14 @@ class TrainSpec:
     horovod: HorovodSpec = field(default_factory=HorovodSpec)
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
+        return schema.plain(self)
 
     def digest(self) -> str:
         """A short hash of everything that defines the training (not where it writes)."""
         payload = self.to_dict()
         for key in ("output", "checkpoint", "reliability"):
             payload.pop(key, None)
-        return _hash(payload)
+        return schema.digest(payload)
 
     def model_digest(self) -> str:
         """A hash of what a checkpoint's tensors depend on: model, data and seed.
@@ -190,161 +149,16 @@ class TrainSpec:
         backend and world size."""
         payload = self.to_dict()
         data = {k: v for k, v in payload["data"].items() if k not in ("batch_size", "global_batch_size")}
-        return _hash({"model": payload["model"], "data": data, "seed": payload["seed"]})
+        return schema.digest({"model": payload["model"], "data": data, "seed": payload["seed"]})
 
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output) / "checkpoints"
 
 
-def _hash(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-# --------------------------------------------------------------------------- building
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return "a list"
-        return f"a list of {len(args)} numbers"
-    if dataclasses.is_dataclass(tp):
-        return "a table"
-    if origin is not None and issubclass(origin, Mapping):
-        return "a table"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except SpecError:
-                continue
-        raise SpecError(f"{where}: expected {_type_name(tp)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise SpecError(f"{where}: expected a table of {_field_list(tp)}, got {value!r}")
-        return _build(tp, value, where)
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-                raise SpecError(f"{where}: expected a non-empty list of {_type_name(args[0])}, got {value!r}")
-            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != len(args):
-            raise SpecError(f"{where}: expected a list of {len(args)} numbers, got {value!r}")
-        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is not None and issubclass(origin, Mapping):
-        if not isinstance(value, Mapping):
-            raise SpecError(f"{where}: expected a table, got {value!r}")
-        return types.MappingProxyType(dict(value))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise SpecError(f"{where}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise SpecError(f"{where}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise SpecError(f"{where}: expected a number, got {value!r}{_number_hint(value)}")
-    if tp is str:
-        if isinstance(value, str) and value:
-            return value
-        raise SpecError(f"{where}: expected a non-empty string, got {value!r}")
-    raise TypeError(f"unsupported spec type {tp!r} at {where}")  # a bug in this module
-
-
-def field_paths(cls: type | None = None, prefix: str = "") -> list[str]:
+def field_paths() -> list[str]:
     """Every field of a spec as a dotted path (``loop.epochs``), tables included, for suggestions."""
-    cls = TrainSpec if cls is None else cls
-    hints = typing.get_type_hints(cls)
-    paths = []
-    for f in dataclasses.fields(cls):
-        path = f"{prefix}{f.name}"
-        paths.append(path)
-        if dataclasses.is_dataclass(hints[f.name]):
-            paths += field_paths(hints[f.name], f"{path}.")
-    return paths
-
-
-def _number_hint(value: Any) -> str:
-    """Why a number-looking string is text: YAML 1.1 reads ``1e-3`` (no dot) as a string, and quotes make text."""
-    if not isinstance(value, str):
-        return ""
-    try:
-        number = float(value)
-    except ValueError:
-        return ""
-    if not math.isfinite(number):
-        return ""
-    mantissa, exp, exponent = value.strip().lower().partition("e")
-    if exp and "." not in mantissa:
-        return f" (YAML reads {value} as text; write {mantissa}.0e{exponent})"
-    return " (a quoted number is text; write it without quotes)"
-
-
-def _check_rule(value: Any, meta: Mapping[str, Any], where: str) -> None:
-    if value is None:
-        return
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        raise SpecError(f"{where}: {value!r} is not allowed (allowed: {', '.join(map(str, choices))})")
-    low, high = meta.get("min"), meta.get("max")
-    if low is not None and (value < low or (meta.get("min_exclusive") and value == low)):
-        bound = f"> {low}" if meta.get("min_exclusive") else f">= {low}"
-        raise SpecError(f"{where}: {value!r} is out of range (must be {bound})")
-    if high is not None and value > high:
-        raise SpecError(f"{where}: {value!r} is out of range (must be <= {high})")
-
-
-def _field_list(cls: type) -> str:
-    return ", ".join(f.name for f in dataclasses.fields(cls))
-
-
-def _build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in raw:
-        if key not in fields:
-            where = f"{prefix}.{key}" if prefix else str(key)
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SpecError(f"{where}: unknown field{hint}; allowed: {', '.join(fields)}")
-    kwargs = {}
-    for name, value in raw.items():
-        where = f"{prefix}.{name}" if prefix else name
-        coerced = _coerce(value, hints[name], where)
-        _check_rule(coerced, fields[name].metadata, where)
-        kwargs[name] = coerced
-    return cls(**kwargs)
+    return schema.field_paths(TrainSpec)
 
 
 def _check_combinations(spec: TrainSpec) -> None:
@@ -366,7 +180,7 @@ def _check_combinations(spec: TrainSpec) -> None:
     if spec.schedule.warmup_epochs > spec.loop.epochs:
         raise SpecError(f"schedule.warmup_epochs: {spec.schedule.warmup_epochs!r} exceeds loop.epochs {spec.loop.epochs}")
     _check_tokens(spec)
-    _check_sharding(spec)
+    _check_backend_options(spec)
 
 
 def _check_tokens(spec: TrainSpec) -> None:
@@ -377,32 +191,22 @@ def _check_tokens(spec: TrainSpec) -> None:
         raise SpecError(f"data.name: 'tokens' needs model.name 'transformer' or a factory, not {spec.model.name!r}")
 
 
-def _check_sharding(spec: TrainSpec) -> None:
-    """The fsdp/deepspeed/horovod tables: only with their backend, and DeepSpeed's own combination rules."""
-    for table, default in (("fsdp", FSDPSpec()), ("deepspeed", DeepSpeedSpec()), ("horovod", HorovodSpec())):
-        if getattr(spec, table) != default and spec.backend != table:
+def _check_backend_options(spec: TrainSpec) -> None:
+    """Each backend's option table (a registry row's ``options``): only with its backend, then its own rules."""
+    from polytrain.registry import option_tables
+
+    for table, options in option_tables().items():
+        value = getattr(spec, table)
+        if value != options() and spec.backend != table:
             raise SpecError(f"{table}: only used with backend {table!r}, not {spec.backend!r}")
-    ds = spec.deepspeed
-    if ds.offload_param and ds.stage != 3:
-        raise SpecError(f"deepspeed.offload_param: needs deepspeed.stage 3, not {ds.stage}")
-    if spec.backend == "deepspeed" and ds.stage > 0 and spec.reliability.on_nonfinite == "skip":
-        raise SpecError("reliability.on_nonfinite: 'skip' needs deepspeed.stage 0 on backend deepspeed (ZeRO keeps "
-                        "partitioned gradients that cannot be dropped without a step); use 'stop'")
-    if ds.offload_optimizer and ds.stage == 0:
-        raise SpecError("deepspeed.offload_optimizer: needs deepspeed.stage 1, 2 or 3, not 0")
-    for key in ("optimizer", "scheduler"):
-        if key in ds.config:
-            raise SpecError(f"deepspeed.config.{key}: not allowed; polytrain passes its own {key} "
-                            f"(set it with the spec's {'optimizer' if key == 'optimizer' else 'schedule'} table)")
-    if spec.fsdp.units is not None and any(not name.strip() for name in spec.fsdp.units):
-        raise SpecError("fsdp.units: class names must not be blank")
+        value.check(spec)
 
 
 def from_dict(raw: Mapping[str, Any], *, validate_components: bool = True) -> TrainSpec:
     """Build and validate a TrainSpec from plain data."""
     if not isinstance(raw, Mapping):
         raise SpecError(f"spec: expected a table at the top level, got {type(raw).__name__}")
-    spec = _build(TrainSpec, raw, "")
+    spec = schema.build(TrainSpec, raw, "")
     _check_combinations(spec)
     if validate_components:
         from polytrain import registry

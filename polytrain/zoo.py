@@ -13,32 +13,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from polytrain.errors import SpecError
-from polytrain.spec import _build, _rule
+from polytrain.schema import build, rule
 
 
 @dataclass(frozen=True)
 class MLPParams:
     hidden_sizes: tuple[int, ...] = (128, 64)
-    activation: str = _rule("relu", choices=("relu", "gelu", "tanh"))
+    activation: str = rule("relu", choices=("relu", "gelu", "tanh"))
 
 
 @dataclass(frozen=True)
 class ConvNetParams:
     channels: tuple[int, ...] = (16, 32)
-    kernel_size: int = _rule(3, choices=(3, 5))
-    activation: str = _rule("relu", choices=("relu", "gelu", "tanh"))
+    kernel_size: int = rule(3, choices=(3, 5))
+    activation: str = rule("relu", choices=("relu", "gelu", "tanh"))
 
 
 @dataclass(frozen=True)
 class TransformerParams:
     """A decoder-only LM; vocabulary and sequence length come from the token data (data.tokens)."""
 
-    d_model: int = _rule(64, min=1)
-    n_heads: int = _rule(4, min=1)
-    n_layers: int = _rule(2, min=1)
-    d_ff: int | None = _rule(None, min=1)  # MLP width; null: 4 × d_model
+    d_model: int = rule(64, min=1)
+    n_heads: int = rule(4, min=1)
+    n_layers: int = rule(2, min=1)
+    d_ff: int | None = rule(None, min=1)  # MLP width; null: 4 × d_model
     tie_weights: bool = True  # the output head shares the token embedding matrix
-    dropout: float = _rule(0.0, min=0.0, max=0.9)
+    dropout: float = rule(0.0, min=0.0, max=0.9)
 
 
 ZOO: dict[str, type] = {"mlp": MLPParams, "convnet": ConvNetParams, "transformer": TransformerParams}
@@ -55,7 +55,7 @@ def model_params(name: str, params: Mapping[str, Any]) -> Any:
         return dict(params)
     if name not in ZOO:
         raise SpecError(f"model.name: unknown model {name!r} (allowed: {', '.join(ZOO)}, or package.module:factory)")
-    params_obj = _build(ZOO[name], params, "model.params")
+    params_obj = build(ZOO[name], params, "model.params")
     for i, size in enumerate(getattr(params_obj, "hidden_sizes", ()) + getattr(params_obj, "channels", ())):
         if size < 1:
             raise SpecError(f"model.params: sizes must be >= 1, got {size} at position {i}")

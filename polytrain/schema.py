@@ -1,0 +1,176 @@
+"""Validated frozen dataclasses from plain data: the machinery behind `polytrain.spec`, the zoo's
+model parameters and the backends' option tables.
+
+A dataclass declares its fields with type hints and, where a value is constrained, ``rule(default,
+choices=..., min=..., max=...)``. `build(cls, raw, prefix)` turns a mapping into an instance or raises
+a `SpecError` whose one-line message names the field by its dotted path and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import field
+from typing import Any
+
+from polytrain.errors import SpecError
+
+
+def rule(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
+    """A dataclass field with a default and its validation ``metadata``: ``choices``, ``min``, ``max``,
+    ``min_exclusive``."""
+    if isinstance(default, (list, dict)):
+        raise TypeError("use a tuple or a Mapping default")
+    return field(default=default, metadata=meta)
+
+
+def digest(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return "a list"
+        return f"a list of {len(args)} numbers"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    if origin is not None and issubclass(origin, Mapping):
+        return "a table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, where)
+            except SpecError:
+                continue
+        raise SpecError(f"{where}: expected {type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{where}: expected a table of {field_list(tp)}, got {value!r}")
+        return build(tp, value, where)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+                raise SpecError(f"{where}: expected a non-empty list of {type_name(args[0])}, got {value!r}")
+            return tuple(coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != len(args):
+            raise SpecError(f"{where}: expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is not None and issubclass(origin, Mapping):
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{where}: expected a table, got {value!r}")
+        return types.MappingProxyType(dict(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise SpecError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise SpecError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise SpecError(f"{where}: expected a number, got {value!r}{number_hint(value)}")
+    if tp is str:
+        if isinstance(value, str) and value:
+            return value
+        raise SpecError(f"{where}: expected a non-empty string, got {value!r}")
+    raise TypeError(f"unsupported spec type {tp!r} at {where}")  # a bug in this module
+
+
+def number_hint(value: Any) -> str:
+    """Why a number-looking string is text: YAML 1.1 reads ``1e-3`` (no dot) as a string, and quotes make text."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    mantissa, exp, exponent = value.strip().lower().partition("e")
+    if exp and "." not in mantissa:
+        return f" (YAML reads {value} as text; write {mantissa}.0e{exponent})"
+    return " (a quoted number is text; write it without quotes)"
+
+
+def check_rule(value: Any, meta: Mapping[str, Any], where: str) -> None:
+    if value is None:
+        return
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise SpecError(f"{where}: {value!r} is not allowed (allowed: {', '.join(map(str, choices))})")
+    low, high = meta.get("min"), meta.get("max")
+    if low is not None and (value < low or (meta.get("min_exclusive") and value == low)):
+        bound = f"> {low}" if meta.get("min_exclusive") else f">= {low}"
+        raise SpecError(f"{where}: {value!r} is out of range (must be {bound})")
+    if high is not None and value > high:
+        raise SpecError(f"{where}: {value!r} is out of range (must be <= {high})")
+
+
+def field_list(cls: type) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecError(f"{where}: unknown field{hint}; allowed: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in raw.items():
+        where = f"{prefix}.{name}" if prefix else name
+        coerced = coerce(value, hints[name], where)
+        check_rule(coerced, fields[name].metadata, where)
+        kwargs[name] = coerced
+    return cls(**kwargs)
+
+
+def field_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every field of a dataclass as a dotted path (``loop.epochs``), tables included, for suggestions."""
+    hints = typing.get_type_hints(cls)
+    paths = []
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        paths.append(path)
+        if dataclasses.is_dataclass(hints[f.name]):
+            paths += field_paths(hints[f.name], f"{path}.")
+    return paths
