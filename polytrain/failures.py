@@ -1,11 +1,16 @@
-"""What the Trainer makes of things going wrong: a collective that lost its peers, an unwritable output."""
+"""What the Trainer checks and makes of things going wrong: ranks that disagree at start-up, a collective that
+lost its peers, an unwritable output."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from polytrain.errors import SpecError
+from polytrain.errors import SpecError, TrainingFailure
+
+if TYPE_CHECKING:
+    from polytrain.protocols import Backend
 
 # How gloo, NCCL and torch.distributed word a lost or stalled peer.
 PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
@@ -41,3 +46,28 @@ def check_writable_dir(field_name: str, path: Path) -> None:
     except OSError as exc:
         raise SpecError(f"{field_name}: cannot write to {path} ({exc.strerror or exc}); choose a writable "
                         "directory") from None
+
+
+def check_ranks_agree(backend: Backend, mine: dict[str, Any]) -> None:
+    """Every rank must run the same spec, model and libraries; a mismatch fails on every rank."""
+    everyone = backend.all_gather_object(mine)
+    for rank, theirs in enumerate(everyone):
+        for key, value in theirs.items():
+            if value != everyone[0][key]:
+                raise TrainingFailure(
+                    f"startup check: rank {rank}'s {key} ({value}) differs from rank 0's ({everyone[0][key]}); "
+                    f"every rank must run the same spec, code and libraries")
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of a fixed list of libraries (read from metadata, so no rank's own imports matter)."""
+    import importlib.metadata
+    import sys
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "tensorflow", "tensorflow-cpu", "keras", "deepspeed", "horovod", "numpy", "mpi4py"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out

@@ -7,15 +7,17 @@ gets the Trainer's timeline and activity when it is created, before ``setup``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from polytrain.spec import TrainSpec
     from polytrain.timeline import Timeline
     from polytrain.watchdog import Activity, PeerBoard
+    from polytrain.world import World
 
 
 @dataclass(frozen=True)
@@ -125,3 +127,13 @@ class Framework(Protocol):
         ...
 
     def set_rng_state(self, state: list[int]) -> None: ...
+
+
+class BackendFactory(Protocol):
+    """Makes the backend of a run (`polytrain.registry.create_backend`, or a test's fake)."""
+
+    def __call__(self, spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
+                 activity: Activity | None = None) -> Backend: ...
+
+
+FrameworkFactory = Callable[["TrainSpec", "World", Backend], Framework]

@@ -15,10 +15,9 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -27,9 +26,15 @@ from polytrain import registry
 from polytrain.data import Dataset, epoch_plan, eval_shard, global_batch_size, load_dataset, steps_per_epoch
 from polytrain.environments import detect_world
 from polytrain.errors import TrainingFailure
-from polytrain.failures import check_writable_dir, is_peer_failure, peer_failure_detail
+from polytrain.failures import (
+    check_ranks_agree,
+    check_writable_dir,
+    is_peer_failure,
+    library_versions,
+    peer_failure_detail,
+)
 from polytrain.metrics import MetricsLog, Progress
-from polytrain.protocols import Backend, Framework
+from polytrain.protocols import BackendFactory, FrameworkFactory
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
@@ -38,14 +43,6 @@ from polytrain.world import World
 
 # Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
 RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
-
-
-class BackendFactory(Protocol):
-    def __call__(self, spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
-                 activity: Activity | None = None) -> Backend: ...
-
-
-FrameworkFactory = Callable[[TrainSpec, World, Backend], Framework]
 
 
 @dataclass
@@ -104,11 +101,11 @@ class Trainer:
             self.framework = self.framework_factory(spec, world, self.backend)
             check = spec.reliability.startup_check and world.size > 1
             if check:  # before building: a wrapper like DDP would fail on mismatched models with less to say
-                self._check_ranks_agree({"spec digest": spec.digest(), "library versions": _library_versions()})
+                check_ranks_agree(self.backend, {"spec digest": spec.digest(), "library versions": library_versions()})
             self.framework.build(data.info)
             if check:
                 shapes = sorted(self.framework.parameter_shapes().items())
-                self._check_ranks_agree({"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
+                check_ranks_agree(self.backend, {"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
             if self.backend.listen_address:
                 self.progress.line(f"polytrain: rendezvous listens on {self.backend.listen_address}")
                 self.log.write("rendezvous", listen=self.backend.listen_address)
@@ -123,7 +120,7 @@ class Trainer:
             if self.timeline.enabled:
                 self.backend.barrier()  # every rank's time zero is the same moment
                 self.timeline.reset_origin()
-            self.activity = "the start of the training loop"  # the stall clock starts now, not at start-up
+            self._activity.set("the start of the training loop")  # the stall clock starts now, not at start-up
             self.watchdog = self._start_watchdog()  # from here on every rank runs the same activities
             try:
                 result = self._loop(data, start)
@@ -132,7 +129,7 @@ class Trainer:
                     raise
                 detail = peer_failure_detail(exc)
                 raise TrainingFailure(
-                    f"rank {world.rank}: a collective failed during {self.activity}: {self._who_was_lost()} "
+                    f"rank {world.rank}: a collective failed during {self._activity.text}: {self._who_was_lost()} "
                     f"({detail})") from exc
             self._save_model(result)
             self._write_timeline()
@@ -217,15 +214,6 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ reliability
-    @property
-    def activity(self) -> str:
-        """What the loop is doing now (named in failure messages and stall warnings)."""
-        return self._activity.text
-
-    @activity.setter
-    def activity(self, text: str) -> None:
-        self._activity.set(text)
-
     def _who_was_lost(self) -> str:
         """Which ranks stopped responding (by their heartbeats), or the general cause when that is unknown."""
         lost = self.watchdog.lost_ranks() if self.watchdog is not None else None
@@ -243,16 +231,6 @@ class Trainer:
             board = None
         return StallWatchdog(self.world.rank, self.world.size, self._activity, reliability.stall_warning_s,
                              reliability.collective_timeout_s, board).start()
-
-    def _check_ranks_agree(self, mine: dict[str, Any]) -> None:
-        """Every rank must run the same spec, model and libraries; a mismatch fails on every rank."""
-        everyone = self.backend.all_gather_object(mine)
-        for rank, theirs in enumerate(everyone):
-            for key, value in theirs.items():
-                if value != everyone[0][key]:
-                    raise TrainingFailure(
-                        f"startup check: rank {rank}'s {key} ({value}) differs from rank 0's ({everyone[0][key]}); "
-                        f"every rank must run the same spec, code and libraries")
 
     def _nonfinite(self, step: int) -> None:
         policy = self.spec.reliability.on_nonfinite
@@ -285,7 +263,7 @@ class Trainer:
 
     def _evaluate(self, data: Dataset) -> tuple[float, float | None]:
         """Each rank evaluates its shard in the same number of batches; sums are all-reduced."""
-        self.activity = "evaluation"
+        self._activity.set("evaluation")
         world, batch = self.world, self.spec.data.batch_size
         mine = eval_shard(len(data.x_val), world.size, world.rank)
         n_batches = max(1, math.ceil(math.ceil(len(data.x_val) / world.size) / batch))
@@ -305,7 +283,7 @@ class Trainer:
 
     def _write_checkpoint(self, pos: Position) -> None:
         """Every rank takes part (state gathering is collective); rank 0 writes."""
-        self.activity = f"the checkpoint at step {pos.step}"
+        self._activity.set(f"the checkpoint at step {pos.step}")
         model = self.framework.export_state()
         optimizer = self.framework.export_optimizer_state()
         rng = self.backend.all_gather_object(self.framework.rng_state())
@@ -342,14 +320,13 @@ class Trainer:
 
     def _write_timeline(self) -> None:
         """Gather every rank's timeline events; rank 0 writes them as one Chrome trace."""
-        if not self.timeline.enabled:
-            return
-        everyone = self.backend.all_gather_object(self.timeline.events)
-        if self.world.rank == 0:
+        if self.timeline.enabled:
             meta = {"framework": self.spec.framework, "backend": self.backend.name, "world_size": self.world.size,
                     "launcher": self.world.launcher}
-            path = write_chrome_trace(self.timeline_path, dict(enumerate(everyone)), metadata=meta)
-            self.progress.line(f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
+            everyone = self.backend.all_gather_object(self.timeline.events)
+            if self.world.rank == 0:
+                path = write_chrome_trace(self.timeline_path, dict(enumerate(everyone)), metadata=meta)
+                self.progress.line(f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
 
     def _resume_target(self) -> str | None:
         """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
@@ -396,7 +373,7 @@ class Trainer:
         return {
             "polytrain": polytrain.__version__, "spec": self.spec.to_dict(), "spec_digest": self.spec.digest(),
             "model_digest": self.spec.model_digest(), "framework": self.spec.framework,
-            "backend": self.backend.name, "world_size": self.world.size, "versions": _library_versions(),
+            "backend": self.backend.name, "world_size": self.world.size, "versions": library_versions(),
         }
 
     def _save_model(self, result: TrainResult) -> None:
@@ -416,17 +393,3 @@ class Trainer:
         else:
             self.progress.line(f"validation loss: {result.val_loss:.6f}")
         self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")
-
-
-def _library_versions() -> dict[str, str]:
-    """Installed versions of a fixed list of libraries (read from metadata, so no rank's own imports matter)."""
-    import importlib.metadata
-    import sys
-
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "tensorflow", "tensorflow-cpu", "keras", "deepspeed", "horovod", "numpy", "mpi4py"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return out

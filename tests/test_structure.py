@@ -1,4 +1,4 @@
-"""The import graph of polytrain's own modules (polytrain/, adapters/, launchers/) has no cycle.
+"""The shape of polytrain's own modules (polytrain/, adapters/, launchers/): no import cycle, none too long.
 
 Read with ``ast``, so nothing is imported: every ``import``/``from ... import`` counts, also one inside a
 function (a lazy import hides a cycle from the interpreter, not from a reader). Imports under
@@ -123,3 +123,9 @@ def test_the_graph_covers_every_module() -> None:
 def test_no_import_cycle() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_modules_stay_small() -> None:
+    """A module a reader can hold in their head: at most 400 lines."""
+    long = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines: {long}"
