@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The single source of polytrain's install steps (README, CI and the Docker images use it).
 #
-#   scripts/setup.sh     # venv in ./.venv: torch 2.13, TensorFlow 2.21 + Keras 3, DeepSpeed, Open MPI,
-#                        # mpi4py, real Horovod 0.28.1 (built once into a cached wheel), polytrain[dev]
+#   scripts/setup.sh         # what the default job needs, in ./.venv: torch 2.13, Open MPI, mpi4py,
+#                            # polytrain (about a minute on a fresh machine)
+#   scripts/setup.sh --all   # everything the tests and the tour use: also TensorFlow 2.21 + Keras 3,
+#                            # DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools
+#
+# A set-up with --all also satisfies a later plain run.
 #
 # Switches (environment):
 #   POLYTRAIN_VENV           where the virtual environment lives (default: <repo>/.venv)
 #   POLYTRAIN_CACHE          where built wheels are cached (default: ~/.cache/polytrain)
-#   POLYTRAIN_EXTRAS         setup.cfg extras to install (default: torch,mpi,dev,tensorflow,deepspeed;
-#                            with a GPU, tensorflow becomes tensorflow-cuda)
-#   POLYTRAIN_HOROVOD        1 (default): build/install real Horovod via scripts/build_horovod.sh; 0: skip
+#   POLYTRAIN_EXTRAS         setup.cfg extras to install (default: torch,mpi; with --all
+#                            torch,mpi,dev,tensorflow,deepspeed; with a GPU, tensorflow becomes tensorflow-cuda)
+#   POLYTRAIN_HOROVOD        1: build/install real Horovod via scripts/build_horovod.sh; 0: skip
+#                            (default: 1 with --all, else 0)
 #   POLYTRAIN_DEEPSPEED_OPS  comma list of DeepSpeed ops to compile ahead of time (default: none; they
 #                            are JIT-built on first use into $POLYTRAIN_CACHE/torch_extensions)
 #   PYTHON                   the interpreter that creates the venv (default: python3)
@@ -17,12 +22,18 @@
 # Re-running on a set-up machine only checks a stamp and returns in about a second.
 set -euo pipefail
 
+ALL_EXTRAS=torch,mpi,dev,tensorflow,deepspeed
+case "${1:-}" in
+    --all) profile=all; default_extras="$ALL_EXTRAS"; default_horovod=1 ;;
+    "") profile=default; default_extras=torch,mpi; default_horovod=0 ;;
+    *) echo "setup.sh: unknown argument '$1' (allowed: --all, or nothing)" >&2; exit 2 ;;
+esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${POLYTRAIN_VENV:-$repo/.venv}"
 cache="${POLYTRAIN_CACHE:-$HOME/.cache/polytrain}"
 python="${PYTHON:-python3}"
-extras="${POLYTRAIN_EXTRAS:-torch,mpi,dev,tensorflow,deepspeed}"
-horovod="${POLYTRAIN_HOROVOD:-1}"
+extras="${POLYTRAIN_EXTRAS:-$default_extras}"
+horovod="${POLYTRAIN_HOROVOD:-$default_horovod}"
 ds_ops="${POLYTRAIN_DEEPSPEED_OPS:-}"
 py="$venv/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -33,19 +44,34 @@ pip_install() {
     test "${PIPESTATUS[0]}" -eq 0
 }
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    extras="${extras//tensorflow,/tensorflow-cuda,}"
-    [ "${extras##*,}" = tensorflow ] && extras="${extras%tensorflow}tensorflow-cuda"
-fi
+gpu_extras() {  # with a GPU, the tensorflow extra becomes tensorflow-cuda
+    local list="$1"
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        list="${list//tensorflow,/tensorflow-cuda,}"
+        [ "${list##*,}" = tensorflow ] && list="${list%tensorflow}tensorflow-cuda"
+    fi
+    echo "$list"
+}
+extras="$(gpu_extras "$extras")"
 
 # A stamp of everything that decides what gets installed: when it matches, there is nothing to do.
-stamp_key="$( (cat "$repo/setup.cfg" "$repo/pyproject.toml" "$repo/scripts/setup.sh" "$repo/scripts/build_horovod.sh" \
-    "$repo/scripts/patch_horovod.py"; echo "$extras|$horovod|$ds_ops") | sha256sum | cut -c1-16)"
-stamp="$venv/.polytrain-setup-$stamp_key"
-if [ -f "$stamp" ] && "$py" -c "import polytrain, torch" 2>/dev/null; then
-    say "already set up ($venv); nothing to do"
-    exit 0
+# A plain run is also satisfied by the stamp of a default --all set-up (a superset of it).
+stamp_of() {
+    echo "$venv/.polytrain-setup-$( (cat "$repo/setup.cfg" "$repo/pyproject.toml" "$repo/scripts/setup.sh" \
+        "$repo/scripts/build_horovod.sh" "$repo/scripts/patch_horovod.py"; echo "$1|$2|$ds_ops") \
+        | sha256sum | cut -c1-16)"
+}
+stamp="$(stamp_of "$extras" "$horovod")"
+done_stamps=("$stamp")
+if [ "$profile" = default ] && [ -z "${POLYTRAIN_EXTRAS:-}" ] && [ -z "${POLYTRAIN_HOROVOD:-}" ]; then
+    done_stamps+=("$(stamp_of "$(gpu_extras "$ALL_EXTRAS")" 1)")
 fi
+for done_stamp in "${done_stamps[@]}"; do
+    if [ -f "$done_stamp" ] && "$py" -c "import polytrain, torch" 2>/dev/null; then
+        say "already set up ($venv); nothing to do"
+        exit 0
+    fi
+done
 
 if [ ! -x "$py" ]; then
     say "creating virtual environment $venv"

@@ -3,7 +3,7 @@
 # Horovod and TensorFlow, 2 processes each, then one figure of all five runs (docs/tour.png).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$repo/scripts/setup.sh"
+"$repo/scripts/setup.sh" --all
 venv="${POLYTRAIN_VENV:-$repo/.venv}"
 cd "$repo"
 export MASTER_ADDR=127.0.0.1 GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 PATH="$venv/bin:$PATH"
