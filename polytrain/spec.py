@@ -9,7 +9,7 @@ Backends' option tables live in `polytrain.backend_options`, named by their regi
 
 from __future__ import annotations
 
-import json
+import glob
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +19,7 @@ from polytrain import schema
 from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import SpecError
 from polytrain.schema import rule
+from polytrain.spec_files import apply_overrides, load_raw
 
 FRAMEWORKS = ("torch", "tensorflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -52,9 +53,24 @@ class TokenSpec:
 
 
 @dataclass(frozen=True)
+class AugmentSpec:
+    """Seeded image augmentation of training batches (``data.name: images``); a function of (seed, epoch, sample)."""
+
+    crop_padding: int = rule(0, min=0)  # random crop of image_size from the image padded by this many pixels
+    horizontal_flip: bool = False  # flip half the images left-right
+
+
+#: Source names (see `polytrain.data.sources`, one row each).
+DATA_SOURCES = ("digits", "synthetic", "npz", "tokens", "parquet", "csv", "images", "token_file", "dataset")
+
+
+@dataclass(frozen=True)
 class DataSpec:
-    name: str = rule("digits", choices=("digits", "synthetic", "npz", "tokens"))
+    name: str = rule("digits", choices=DATA_SOURCES)
+    # npz: the file; parquet/csv/images/token_file: a file, directory or glob (split by val_fraction
+    # unless val_path names the validation data)
     path: str | None = None
+    val_path: str | None = None
     batch_size: int = rule(32, min=1)  # per worker, per micro-step
     # When set, a step takes this many samples whatever the world size (split across ranks and
     # micro-steps), so runs at different world sizes see the same batches; batch_size is then unused.
@@ -62,6 +78,31 @@ class DataSpec:
     val_fraction: float = rule(0.2, min=0.0, max=0.9)
     synthetic: SyntheticSpec = field(default_factory=SyntheticSpec)
     tokens: TokenSpec = field(default_factory=TokenSpec)
+    # parquet / csv: feature columns (several scalar columns, or one column of fixed-size arrays) and the label
+    features: tuple[str, ...] | None = None
+    label: str | None = None
+    # classification: number of classes (default: the image folders, or the largest label + 1)
+    classes: int | None = rule(None, min=2)
+    # parquet: row groups whose rows are shuffled together (the epoch's order permutes row groups, then rows
+    # within each window of this many)
+    shuffle_window: int = rule(4, min=1)
+    # images: every image is resized to [height, width]; channels 1 (grey) or 3 (RGB); per-channel mean/std
+    image_size: tuple[int, int] | None = None
+    channels: int = rule(3, choices=(1, 3))
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    augment: AugmentSpec = field(default_factory=AugmentSpec)
+    # token_file: the ids' type, tokens per sample (windows of seq_len + 1), vocabulary (default: largest id + 1)
+    dtype: str = rule("uint16", choices=("uint16", "uint32"))
+    seq_len: int | None = rule(None, min=1)
+    vocab: int | None = rule(None, min=2)
+    # dataset: package.module:function returning a map-style dataset (__len__, __getitem__ -> (x, y))
+    factory: str | None = None
+    # package.module:function applied to each numpy batch (x, y) -> (x, y) in the data workers; it may take
+    # an ``rng`` keyword (a numpy Generator seeded by seed, epoch, step and micro-step)
+    transform: str | None = None
+    workers: int = rule(2, min=0)  # background reader threads (0: read in the training loop)
+    prefetch: int = rule(2, min=1)  # steps read ahead
 
 
 @dataclass(frozen=True)
@@ -163,13 +204,7 @@ def field_paths() -> list[str]:
 
 def _check_combinations(spec: TrainSpec) -> None:
     """Rules that involve more than one field."""
-    data = spec.data
-    if data.name == "npz" and not data.path:
-        raise SpecError("data.path: required when data.name is 'npz' (a .npz file with arrays x and y)")
-    if data.name != "npz" and data.path:
-        raise SpecError(f"data.path: only used with data.name 'npz', not {data.name!r}")
-    if data.path and not Path(data.path).is_file():
-        raise SpecError(f"data.path: file not found: {data.path}")
+    _check_data(spec.data)
     if spec.optimizer.nesterov and (spec.optimizer.name != "sgd" or spec.optimizer.momentum <= 0):
         raise SpecError("optimizer.nesterov: needs optimizer.name 'sgd' and optimizer.momentum > 0")
     for i, beta in enumerate(spec.optimizer.betas):
@@ -183,12 +218,34 @@ def _check_combinations(spec: TrainSpec) -> None:
     _check_backend_options(spec)
 
 
+def _check_data(data: DataSpec) -> None:
+    """The data.* fields the source reads (a registry row's ``uses``/``required``), and that named files exist."""
+    from polytrain.registry import SOURCES, source
+
+    entry, default = source(data.name), DataSpec(name=data.name)
+    for name in sorted({f for row in SOURCES for f in row.uses}):
+        if name not in entry.uses and getattr(data, name) != getattr(default, name):
+            users = ", ".join(row.name for row in SOURCES if name in row.uses)
+            raise SpecError(f"data.{name}: only used with data.name {users}, not {data.name!r}")
+    for name in entry.required:
+        if getattr(data, name) is None:
+            raise SpecError(f"data.{name}: required when data.name is {data.name!r}")
+    for name in ("path", "val_path"):
+        value = getattr(data, name)
+        if value is not None and not (glob.has_magic(value) or Path(value).exists()):
+            raise SpecError(f"data.{name}: file not found: {value}")
+    if data.name == "npz" and data.path and not Path(data.path).is_file():
+        raise SpecError(f"data.path: file not found: {data.path}")
+
+
 def _check_tokens(spec: TrainSpec) -> None:
     """Token data and the transformer LM go together (a custom factory may take token data too)."""
-    if spec.model.name == "transformer" and spec.data.name != "tokens":
-        raise SpecError(f"model.name: 'transformer' needs data.name 'tokens', not {spec.data.name!r}")
-    if spec.data.name == "tokens" and spec.model.name in ("mlp", "convnet"):
-        raise SpecError(f"data.name: 'tokens' needs model.name 'transformer' or a factory, not {spec.model.name!r}")
+    token_data = spec.data.name in ("tokens", "token_file")
+    if spec.model.name == "transformer" and not token_data:
+        raise SpecError(f"model.name: 'transformer' needs data.name 'tokens' or 'token_file', not {spec.data.name!r}")
+    if token_data and spec.model.name in ("mlp", "convnet"):
+        raise SpecError(f"data.name: {spec.data.name!r} needs model.name 'transformer' or a factory, "
+                        f"not {spec.model.name!r}")
 
 
 def _check_backend_options(spec: TrainSpec) -> None:
@@ -213,141 +270,6 @@ def from_dict(raw: Mapping[str, Any], *, validate_components: bool = True) -> Tr
 
         registry.validate(spec)
     return spec
-
-
-class _DuplicateKey(ValueError):
-    """A key given twice in one table (YAML and JSON parsers keep the last one silently)."""
-
-    def __init__(self, key: Any, line: int | None = None) -> None:
-        super().__init__(f"duplicate key {key!r}")
-        self.key, self.line = key, line
-
-
-def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-_YAML_LOADER: Any = None
-
-
-def _yaml_loader() -> Any:
-    """yaml.SafeLoader, except that a key given twice in one table is an error (YAML requires unique keys)."""
-    global _YAML_LOADER
-    if _YAML_LOADER is None:
-        import yaml
-
-        class UniqueKeyLoader(yaml.SafeLoader):
-            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-                seen: set[Any] = set()
-                for key_node, _ in node.value:
-                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                        continue
-                    key = self.construct_object(key_node, deep=deep)
-                    if key in seen:
-                        raise _DuplicateKey(key, key_node.start_mark.line + 1)
-                    seen.add(key)
-                return super().construct_mapping(node, deep)
-
-        _YAML_LOADER = UniqueKeyLoader
-    return _YAML_LOADER
-
-
-def _yaml_problem(exc: Exception) -> str:
-    """PyYAML's multi-line error as one line: where, what, and in which construct."""
-    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
-    if mark is None or not problem:
-        return ": " + " ".join(str(exc).split())
-    text = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and context_mark is not None:
-        text += f" ({context} started at line {context_mark.line + 1}, column {context_mark.column + 1})"
-    if "'\\t'" in problem:
-        text += "; indent with spaces, not tabs"
-    return text
-
-
-def parse_text(text: str, suffix: str, source: str = "spec") -> dict[str, Any]:
-    """Parse YAML/TOML/JSON text into plain data, with a one-line error on bad syntax."""
-    kind = suffix.lstrip(".").upper() or "YAML"
-    try:
-        if suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib
-            return tomllib.loads(text)
-        if suffix == ".json":
-            return json.loads(text, object_pairs_hook=_json_pairs)
-        import yaml
-
-        try:
-            data = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass: plain data only
-        except yaml.YAMLError as exc:
-            raise SpecError(f"{source}: cannot parse YAML{_yaml_problem(exc)}") from exc
-        return {} if data is None else data
-    except _DuplicateKey as exc:
-        where = f" at line {exc.line}" if exc.line else ""
-        raise SpecError(f"{source}: duplicate key {exc.key!r}{where} (each key may appear once in a table)") from exc
-    except SpecError:
-        raise
-    except Exception as exc:  # each parser has its own error class; all mean "bad syntax"
-        detail = " ".join(str(exc).split())
-        raise SpecError(f"{source}: cannot parse {kind}: {detail}") from exc
-
-
-def load_raw(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if path.suffix not in (".yaml", ".yml", ".toml", ".json"):
-        raise SpecError(f"spec: {path}: unknown file type (allowed: .yaml, .yml, .toml, .json)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(f"spec: cannot read {path}: {exc.strerror}") from exc
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"spec: {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
-                        f"{exc.start}); save it as UTF-8") from exc
-    data = parse_text(text, path.suffix, str(path))
-    if not isinstance(data, Mapping):
-        raise SpecError(f"spec: expected a table at the top level, got {type(data).__name__} ({path} must hold "
-                        f"fields such as 'framework: torch')")
-    return data
-
-
-def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars/lists)."""
-    import copy
-
-    import yaml
-
-    if not isinstance(raw, Mapping):
-        raise SpecError(f"spec: expected a table at the top level, got {type(raw).__name__}")
-    out = copy.deepcopy(dict(raw))
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optimizer.lr=0.1")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise SpecError(f"--set {key}: cannot parse value {text!r} as YAML (e.g. 3, 0.1, true, text, "
-                            f"[64, 32] or {{name: adam}}; quote text that has brackets or colons)") from exc
-        node = out
-        parts = key.strip().split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                table = ".".join(parts[: i + 1])
-                raise SpecError(f"--set {key}: {table!r} is {child!r}, not a table, so it has no {parts[i + 1]!r}")
-            node = child
-        node[parts[-1]] = value
-    return out
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainSpec:

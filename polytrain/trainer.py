@@ -23,7 +23,8 @@ import numpy as np
 
 from polytrain import checkpoint as ckpt
 from polytrain import registry
-from polytrain.data import Dataset, epoch_plan, eval_shard, global_batch_size, load_dataset, steps_per_epoch
+from polytrain.data import Data, epoch_plan, eval_shard, global_batch_size, steps_per_epoch
+from polytrain.data.prefetch import Prefetcher, load_transform
 from polytrain.environments import detect_world
 from polytrain.errors import TrainingFailure
 from polytrain.failures import (
@@ -69,12 +70,13 @@ class Trainer:
     def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
                  resume: str | None = None, timeline: str | None = None, verbose: bool = False,
                  backend_factory: BackendFactory = registry.create_backend,
-                 framework_factory: FrameworkFactory = registry.create_framework) -> None:
+                 framework_factory: FrameworkFactory = registry.create_framework, data: Data | None = None) -> None:
         """``timeline``: a file to write a Chrome-trace timeline of every rank into (see polytrain.timeline);
         ``verbose``: every rank shows its progress (prefixed with its rank), not only rank 0;
         ``backend_factory``/``framework_factory``: what makes the two adapters (the registry's resolvers;
-        anything that builds a `polytrain.protocols.Backend`/`Framework`, such as a test's fakes)."""
-        self.backend_factory, self.framework_factory = backend_factory, framework_factory
+        anything that builds a `polytrain.protocols.Backend`/`Framework`, such as a test's fakes);
+        ``data``: the samples to train on (default: the spec's data source, opened by the registry)."""
+        self.backend_factory, self.framework_factory, self.data = backend_factory, framework_factory, data
         self.spec = spec
         self.world = world if world is not None else detect_world()
         self.show_progress = show_progress
@@ -97,7 +99,9 @@ class Trainer:
         prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
         self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
         try:
-            data = load_dataset(spec.data, spec.seed)
+            data = self.data if self.data is not None else registry.open_data(spec)
+            self.prefetcher = Prefetcher(spec.data.workers, spec.data.prefetch, spec.seed, augment=data.augment,
+                                         transform=load_transform(spec.data.transform))
             self.framework = self.framework_factory(spec, world, self.backend)
             check = spec.reliability.startup_check and world.size > 1
             if check:  # before building: a wrapper like DDP would fail on mismatched models with less to say
@@ -112,10 +116,10 @@ class Trainer:
             self.progress.line(
                 f"polytrain: {spec.framework}/{self.backend.label} on {world.size} "
                 f"process(es) "
-                f"(launcher: {world.launcher}); {len(data.x_train)} training samples, "
-                f"{len(data.x_val)} validation samples")
+                f"(launcher: {world.launcher}); {len(data.train)} training samples, "
+                f"{len(data.val)} validation samples")
             self.global_batch = global_batch_size(spec.data, world.size, spec.loop.grad_accum_steps)
-            self.per_epoch = steps_per_epoch(len(data.x_train), self.global_batch)
+            self.per_epoch = steps_per_epoch(len(data.train), self.global_batch)
             start = self._restore() if self._resume_target() else Position()
             if self.timeline.enabled:
                 self.backend.barrier()  # every rank's time zero is the same moment
@@ -138,10 +142,12 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.stop()
             self.log.close()
+            if getattr(self, "prefetcher", None) is not None:
+                self.prefetcher.close()
             self.backend.teardown()
 
     # ------------------------------------------------------------------ the loop
-    def _loop(self, data: Dataset, start: Position) -> TrainResult:
+    def _loop(self, data: Data, start: Position) -> TrainResult:
         spec, world, fw, loop = self.spec, self.world, self.framework, self.spec.loop
         timeline = self.timeline
         per_epoch = self.per_epoch
@@ -160,21 +166,23 @@ class Trainer:
             self.progress.start_epoch(epoch, loop.epochs, min(per_epoch, first + total - step))
             window = np.zeros(2)  # summed loss, samples since the last report
             window_start = time.perf_counter()
-            plans = epoch_plan(len(data.x_train), seed=spec.seed, epoch=epoch, global_batch=self.global_batch,
+            plans = epoch_plan(len(data.train), seed=spec.seed, epoch=epoch, global_batch=self.global_batch,
                                world_size=world.size, rank=world.rank, accum=loop.grad_accum_steps,
-                               start_step=first)
-            for i, plan in enumerate(plans, start=first):
+                               start_step=first, order=data.train.order(spec.seed, epoch))
+            batches = self.prefetcher.steps(data.train, enumerate(plans, start=first), epoch)
+            for i in range(first, per_epoch):
                 if step >= total:
                     break
+                self._activity.set("reading data", step=step + 1)
+                with timeline.span("data", "data", step=step + 1):
+                    plan, micro_batches = next(batches)
                 self._activity.set("forward/backward", step=step + 1)
                 scale = world.size / plan.global_count
-                last = len(plan.micro_batches) - 1
-                for m, idx in enumerate(plan.micro_batches):
-                    with timeline.span("data", "data", step=step + 1):
-                        x, y = data.x_train[idx], data.y_train[idx]
-                    with timeline.span("micro-step", "compute", step=step + 1, micro=m, samples=len(idx)):
+                last = len(micro_batches) - 1
+                for m, (x, y) in enumerate(micro_batches):
+                    with timeline.span("micro-step", "compute", step=step + 1, micro=m, samples=len(x)):
                         loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
-                    window += (loss_sum, len(idx))
+                    window += (loss_sum, len(x))
                 lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=world.size,
                            steps_per_epoch=per_epoch, total_steps=total)
                 self._activity.set("the optimizer step", step=step + 1)
@@ -200,6 +208,7 @@ class Trainer:
                     window_start = time.perf_counter()
                 if every_steps and step % every_steps == 0 and i + 1 < per_epoch:
                     self._save_checkpoint(here)
+            batches.close()
             self.progress.end_epoch()
             complete = here.epoch == epoch and here.step_in_epoch == per_epoch
             self._end_epoch(data, result, epoch, step, complete=complete)
@@ -248,9 +257,9 @@ class Trainer:
             raise TrainingFailure(f"step {step}: the weights of rank(s) {', '.join(map(str, drifted))} differ from "
                                   f"rank 0's (replicas drifted apart; reliability.verify_every_n_steps)")
 
-    def _end_epoch(self, data: Dataset, result: TrainResult, epoch: int, step: int, complete: bool) -> None:
+    def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool) -> None:
         with self.timeline.span("evaluation", "evaluation", epoch=epoch):
-            val_loss, val_acc = self._evaluate(data)
+            val_loss, val_acc = self._evaluate(data, epoch)
         result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
         result.val_loss, result.val_accuracy = val_loss, val_acc
         record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
@@ -261,15 +270,15 @@ class Trainer:
         self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}, val loss {val_loss:.4f}"
                            f"{acc_text}")
 
-    def _evaluate(self, data: Dataset) -> tuple[float, float | None]:
+    def _evaluate(self, data: Data, epoch: int) -> tuple[float, float | None]:
         """Each rank evaluates its shard in the same number of batches; sums are all-reduced."""
         self._activity.set("evaluation")
         world, batch = self.world, self.spec.data.batch_size
-        mine = eval_shard(len(data.x_val), world.size, world.rank)
-        n_batches = max(1, math.ceil(math.ceil(len(data.x_val) / world.size) / batch))
+        mine = eval_shard(len(data.val), world.size, world.rank)
+        n_batches = max(1, math.ceil(math.ceil(len(data.val) / world.size) / batch))
         totals = np.zeros(3)
-        for idx in np.array_split(mine, n_batches):
-            totals += self.framework.evaluate(data.x_val[idx], data.y_val[idx])
+        for x, y in self.prefetcher.batches(data.val, np.array_split(mine, n_batches), epoch):
+            totals += self.framework.evaluate(x, y)
         loss_sum, correct, count = self.backend.all_reduce(totals)
         if count == 0:
             return math.nan, None

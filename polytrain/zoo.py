@@ -7,13 +7,13 @@ by one framework loads into the other.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from polytrain.errors import SpecError
 from polytrain.schema import build, rule
+from polytrain.user_code import is_import_path, load_callable
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,6 @@ class TransformerParams:
 ZOO: dict[str, type] = {"mlp": MLPParams, "convnet": ConvNetParams, "transformer": TransformerParams}
 
 
-def is_import_path(name: str) -> bool:
-    return ":" in name
-
-
 def model_params(name: str, params: Mapping[str, Any]) -> Any:
     """Validated parameters of a zoo model (a dataclass), or the raw mapping for a user factory."""
     if is_import_path(name):
@@ -66,14 +62,4 @@ def model_params(name: str, params: Mapping[str, Any]) -> Any:
 
 def load_factory(path: str) -> Any:
     """Import ``package.module:factory``; one-line errors when it is not there."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise SpecError(f"model.name: {path!r} is not an import path of the form package.module:factory")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SpecError(f"model.name: cannot import module {module_name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise SpecError(f"model.name: {module_name!r} has no callable {attr!r}")
-    return factory
+    return load_callable(path, "model.name")

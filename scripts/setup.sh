@@ -4,7 +4,7 @@
 #   scripts/setup.sh         # what the default job needs, in ./.venv: torch 2.13, Open MPI, mpi4py,
 #                            # polytrain (about a minute on a fresh machine)
 #   scripts/setup.sh --all   # everything the tests and the tour use: also TensorFlow 2.21 + Keras 3,
-#                            # DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools
+#                            # pyarrow and Pillow (file data), DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools
 #
 # A set-up with --all also satisfies a later plain run.
 #
@@ -12,7 +12,7 @@
 #   POLYTRAIN_VENV           where the virtual environment lives (default: <repo>/.venv)
 #   POLYTRAIN_CACHE          where built wheels are cached (default: ~/.cache/polytrain)
 #   POLYTRAIN_EXTRAS         setup.cfg extras to install (default: torch,mpi; with --all
-#                            torch,mpi,dev,tensorflow,deepspeed; with a GPU, tensorflow becomes tensorflow-cuda)
+#                            torch,mpi,dev,data,tensorflow,deepspeed; with a GPU, tensorflow becomes tensorflow-cuda)
 #   POLYTRAIN_HOROVOD        1: build/install real Horovod via scripts/build_horovod.sh; 0: skip
 #                            (default: 1 with --all, else 0)
 #   POLYTRAIN_DEEPSPEED_OPS  comma list of DeepSpeed ops to compile ahead of time (default: none; they
@@ -22,7 +22,7 @@
 # Re-running on a set-up machine only checks a stamp and returns in about a second.
 set -euo pipefail
 
-ALL_EXTRAS=torch,mpi,dev,tensorflow,deepspeed
+ALL_EXTRAS=torch,mpi,dev,data,tensorflow,deepspeed
 case "${1:-}" in
     --all) profile=all; default_extras="$ALL_EXTRAS"; default_horovod=1 ;;
     "") profile=default; default_extras=torch,mpi; default_horovod=0 ;;

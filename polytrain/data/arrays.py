@@ -1,13 +1,12 @@
-"""Datasets as numpy arrays, and the per-rank plan of which samples each step uses.
+"""The built-in in-memory datasets (``digits``, ``synthetic``, ``npz``, ``tokens``) as numpy arrays.
 
-Every framework reads the same arrays and the same plan, so PyTorch and TensorFlow
-runs of one spec see the same samples in the same order.
+Small by construction (bundled with scikit-learn, generated, or one ``.npz``); file-backed
+sources stream instead (see `polytrain.data.sources`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,41 +126,3 @@ def load_dataset(spec: DataSpec, seed: int) -> Dataset:
         image_shape=image_shape,
     )
     return Dataset(x[train], y[train], x[val], y[val], info)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """This rank's micro-batches for one optimizer step, and the step's global sample count."""
-
-    micro_batches: list[np.ndarray]
-    global_count: int
-
-
-def global_batch_size(spec: DataSpec, world_size: int, accum: int) -> int:
-    """Samples per optimizer step: ``data.global_batch_size``, else batch_size × world size × accumulation."""
-    return spec.global_batch_size or spec.batch_size * world_size * accum
-
-
-def steps_per_epoch(n_train: int, global_batch: int) -> int:
-    return math.ceil(n_train / global_batch)
-
-
-def epoch_plan(n_train: int, *, seed: int, epoch: int, global_batch: int, world_size: int, rank: int,
-               accum: int, start_step: int = 0) -> Iterator[StepPlan]:
-    """The steps of one epoch for one rank.
-
-    The epoch's permutation depends only on (seed, epoch); each step takes the next
-    ``global_batch`` samples, splits them evenly across ranks and then across
-    micro-steps. Every training sample is used exactly once per epoch; the last step
-    may be smaller (some ranks may then have empty micro-batches).
-    """
-    order = np.random.default_rng([seed, epoch]).permutation(n_train)
-    for step in range(start_step, steps_per_epoch(n_train, global_batch)):
-        chunk = order[step * global_batch:(step + 1) * global_batch]
-        mine = np.array_split(chunk, world_size)[rank]
-        yield StepPlan(micro_batches=np.array_split(mine, accum), global_count=len(chunk))
-
-
-def eval_shard(n: int, world_size: int, rank: int) -> np.ndarray:
-    """The validation indices this rank evaluates (contiguous, together exactly all of them)."""
-    return np.array_split(np.arange(n), world_size)[rank]

@@ -1,0 +1,61 @@
+"""The per-rank plan of which samples each optimizer step uses, for every source alike.
+
+Every framework and every source goes through the same plan, so PyTorch and TensorFlow runs of
+one spec see the same samples in the same order, every sample is used exactly once per epoch at
+any world size, and a checkpoint's (epoch, step in the epoch) is a complete data position.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from polytrain.spec import DataSpec
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """This rank's micro-batches for one optimizer step, and the step's global sample count."""
+
+    micro_batches: list[np.ndarray]
+    global_count: int
+
+
+def global_batch_size(spec: DataSpec, world_size: int, accum: int) -> int:
+    """Samples per optimizer step: ``data.global_batch_size``, else batch_size × world size × accumulation."""
+    return spec.global_batch_size or spec.batch_size * world_size * accum
+
+
+def steps_per_epoch(n_train: int, global_batch: int) -> int:
+    return math.ceil(n_train / global_batch)
+
+
+def shuffled(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The default sample order of an epoch: a permutation of ``range(n)`` that depends only on (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def epoch_plan(n_train: int, *, seed: int, epoch: int, global_batch: int, world_size: int, rank: int,
+               accum: int, start_step: int = 0, order: np.ndarray | None = None) -> Iterator[StepPlan]:
+    """The steps of one epoch for one rank.
+
+    The epoch's order is the source's (``order``, a permutation of ``range(n_train)`` that depends
+    only on (seed, epoch)) or `shuffled`; each step takes the next ``global_batch`` samples of it,
+    splits them evenly across ranks and then across micro-steps. Every training sample is used
+    exactly once per epoch; the last step may be smaller (some ranks may then have empty
+    micro-batches).
+    """
+    if order is None:
+        order = shuffled(n_train, seed, epoch)
+    for step in range(start_step, steps_per_epoch(n_train, global_batch)):
+        chunk = order[step * global_batch:(step + 1) * global_batch]
+        mine = np.array_split(chunk, world_size)[rank]
+        yield StepPlan(micro_batches=np.array_split(mine, accum), global_count=len(chunk))
+
+
+def eval_shard(n: int, world_size: int, rank: int) -> np.ndarray:
+    """The validation indices this rank evaluates (contiguous, together exactly all of them)."""
+    return np.array_split(np.arange(n), world_size)[rank]

@@ -1,0 +1,99 @@
+"""What the Trainer reads samples through: a map-style `Source`, a split of one into train and
+validation (`Subset`), and the pair with its `DatasetInfo` (`Data`).
+
+A source reads a list of sample indices into one numpy batch ``(x, y)``; nothing holds the whole
+dataset unless the source is small by construction (`ArraySource`). Its ``order(seed, epoch)`` is
+the epoch's sample order, a permutation of ``range(len(source))`` that depends only on
+(seed, epoch): a full shuffle for sources with cheap random access, a shuffle of blocks then of
+the samples inside a window of blocks for sources read in blocks (Parquet row groups). The one
+planner (`polytrain.data.plan.epoch_plan`) cuts that order into steps, ranks and micro-steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from polytrain.data.plan import shuffled
+from polytrain.errors import SpecError
+from polytrain.protocols import DatasetInfo
+
+
+class Source(Protocol):
+    def __len__(self) -> int: ...
+
+    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The samples at ``indices`` (in that order) as one batch; thread-safe."""
+        ...
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        """The epoch's sample order: a permutation of ``range(len(self))``, a function of (seed, epoch) only."""
+        ...
+
+
+@dataclass(frozen=True)
+class Data:
+    """A job's training and validation samples."""
+
+    train: Source
+    val: Source
+    info: DatasetInfo
+    #: what the exactly-once and ordering guarantee of ``train`` is, in words (for the log)
+    guarantee: str = "every sample once per epoch, fully shuffled"
+    #: seeded augmentation of training batches, ``(x, y, rng) -> (x, y)``, run in the data workers with a
+    #: numpy Generator seeded by (seed, epoch, step, micro-step); None: none
+    augment: Callable[[np.ndarray, np.ndarray, np.random.Generator], tuple[np.ndarray, np.ndarray]] | None = None
+
+
+class ArraySource:
+    """Samples held in memory as two arrays (the built-in small datasets, or arrays passed to `fit`)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        if len(x) != len(y):
+            raise SpecError(f"data: x and y must have the same length (x: {len(x)}, y: {len(y)})")
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[indices], self.y[indices]
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        return shuffled(len(self.x), seed, epoch)
+
+
+class Subset:
+    """The samples of ``parent`` at ``indices`` (sorted), for a seeded train/validation split.
+
+    Its order follows the parent's: the parent's order restricted to these samples, so a source read
+    in blocks keeps its locality.
+    """
+
+    def __init__(self, parent: Source, indices: np.ndarray) -> None:
+        self.parent = parent
+        self.indices = np.sort(np.asarray(indices, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.parent.read(self.indices[indices])
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        position = np.full(len(self.parent), -1, dtype=np.int64)
+        position[self.indices] = np.arange(len(self.indices))
+        mapped = position[self.parent.order(seed, epoch)]
+        return mapped[mapped >= 0]
+
+
+def split(source: Source, val_fraction: float, seed: int) -> tuple[Subset, Subset]:
+    """(train, validation): ``val_fraction`` of the samples, chosen by a permutation seeded with ``seed``."""
+    order = np.random.default_rng(seed).permutation(len(source))
+    n_val = int(round(len(source) * val_fraction))
+    if n_val == len(source):
+        raise SpecError(f"data.val_fraction: {val_fraction} leaves no training samples")
+    return Subset(source, order[n_val:]), Subset(source, order[:n_val])
