@@ -249,11 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"polytrain: error: {exc}", file=sys.stderr, flush=True)
         abort_mpi_job(exc.exit_code)
         return exc.exit_code
+    except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`: before Exception, its base class
+        return 0
     except Exception:
         abort_mpi_job(1, show_traceback=True)
         raise
-    except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`
-        return 0
     except KeyboardInterrupt:
         print("polytrain: interrupted", file=sys.stderr)
         return 130

@@ -90,15 +90,17 @@ class Trainer:
         spec, world = self.spec, self.world
         self.timeline = Timeline(world.rank) if self.timeline_path else NULL
         self.backend = self.backend_factory(spec, world, timeline=self.timeline, activity=self._activity)
-        self.backend.setup()
         self.watchdog: StallWatchdog | None = None
+        self.prefetcher: Prefetcher | None = None
+        self.log = MetricsLog(None)
         is_main = world.rank == 0
-        if is_main:
-            check_writable_dir("output", Path(spec.output))
-        self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
-        prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
-        self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
-        try:
+        try:  # from here on the backend is torn down whatever happens (a failed setup included)
+            self.backend.setup()
+            if is_main:
+                check_writable_dir("output", Path(spec.output))
+            self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
+            prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
+            self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
             data = self.data if self.data is not None else registry.open_data(spec)
             self.prefetcher = Prefetcher(spec.data.workers, spec.data.prefetch, spec.seed, augment=data.augment,
                                          transform=load_transform(spec.data.transform))
@@ -142,7 +144,7 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.stop()
             self.log.close()
-            if getattr(self, "prefetcher", None) is not None:
+            if self.prefetcher is not None:
                 self.prefetcher.close()
             self.backend.teardown()
 

@@ -160,9 +160,6 @@ def test_an_interrupt_is_exit_code_130(trainer: type[RecordingTrainer], capsys: 
     assert capsys.readouterr().err == "polytrain: interrupted\n"
 
 
-@pytest.mark.xfail(strict=True, reason="cli.main's `except Exception` comes before `except BrokenPipeError` "
-                                       "(a subclass of Exception), so the BrokenPipe branch is unreachable: a "
-                                       "closed pipe re-raises after abort_mpi_job(1, show_traceback=True)")
 def test_a_closed_pipe_ends_quietly(monkeypatch: pytest.MonkeyPatch, aborts: list[tuple[int, bool]]) -> None:
     def closed(args: Any) -> int:
         raise BrokenPipeError(32, "Broken pipe")

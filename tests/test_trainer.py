@@ -638,8 +638,6 @@ def test_an_unwritable_output_is_a_spec_error_naming_output(tmp_path: Path) -> N
     assert job.framework is None  # nothing was built or trained
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer.fit checks the output directory after backend.setup() but "
-                                       "outside its try/finally, so the backend is never torn down")
 def test_an_unwritable_output_still_tears_the_backend_down(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     _, job = fit_fails(make_spec(tmp_path / "file" / "run"), SpecError)
