@@ -84,8 +84,9 @@ class Framework(Protocol):
         """Apply accumulated gradients with learning rate ``lr``; returns the gradient norm if clipped."""
         ...
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
-        """(summed loss, number correct, count) over the given samples."""
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
+        """(sum, count) over the given samples of the loss (key ``loss``) and of every metric the spec names
+        that is computed per sample (`polytrain.objectives.computed`), by metric name."""
         ...
 
     def export_state(self) -> dict[str, np.ndarray]:

@@ -192,9 +192,10 @@ def _import(target: str) -> Any:
 
 def validate(spec: TrainSpec) -> None:
     """Check the names in a spec against what exists (not against what is installed)."""
-    from polytrain import zoo
+    from polytrain import objectives, zoo
 
     zoo.model_params(spec.model.name, spec.model.params)
+    objectives.check_names(spec.loss, spec.metrics)
     if spec.framework not in AUTO_RULES:
         raise SpecError(f"framework: {spec.framework!r} has no backend in this version "
                         f"(allowed: {', '.join(AUTO_RULES)})")

@@ -165,6 +165,12 @@ class TrainSpec:
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     loop: LoopSpec = field(default_factory=LoopSpec)
     precision: str = rule("fp32", choices=PRECISIONS)
+    # a built-in loss (cross_entropy, mse, bce, next_token) or package.module:function(outputs, targets) -> one
+    # loss per sample; null: the task's (cross_entropy, mse, next_token)
+    loss: str | None = None
+    # built-in (accuracy, top5_accuracy, mse, mae, perplexity) or package.module:function(outputs, targets) -> one
+    # value per sample; null: the task's (accuracy for classification and next-token data)
+    metrics: tuple[str, ...] | None = None
     seed: int = rule(0, min=0)
     output: str = "runs/polytrain"
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)

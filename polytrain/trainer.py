@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from polytrain import checkpoint as ckpt
-from polytrain import registry
+from polytrain import objectives, registry
 from polytrain.data import Data, epoch_plan, eval_shard, global_batch_size, steps_per_epoch
 from polytrain.data.prefetch import Prefetcher, load_transform
 from polytrain.environments import detect_world
@@ -39,34 +36,12 @@ from polytrain.protocols import BackendFactory, FrameworkFactory
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
+from polytrain.trainer_state import Position, TrainerCheckpoints, TrainResult
 from polytrain.watchdog import Activity, StallWatchdog
 from polytrain.world import World
 
-# Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
-RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
 
-
-@dataclass
-class TrainResult:
-    global_step: int = 0
-    epochs_done: int = 0
-    train_loss: float = math.nan
-    val_loss: float = math.nan
-    val_accuracy: float | None = None
-    samples_per_s: float = 0.0
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class Position:
-    """Where training stands: the next step to run, its epoch and index within the epoch."""
-
-    step: int = 0
-    epoch: int = 0
-    step_in_epoch: int = 0
-
-
-class Trainer:
+class Trainer(TrainerCheckpoints):
     def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
                  resume: str | None = None, timeline: str | None = None, verbose: bool = False,
                  backend_factory: BackendFactory = registry.create_backend,
@@ -261,69 +236,34 @@ class Trainer:
 
     def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool) -> None:
         with self.timeline.span("evaluation", "evaluation", epoch=epoch):
-            val_loss, val_acc = self._evaluate(data, epoch)
+            val_loss, values = self._evaluate(data, epoch)
         result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
-        result.val_loss, result.val_accuracy = val_loss, val_acc
+        result.val_loss, result.val_metrics = val_loss, values
+        result.val_accuracy = values.get("accuracy")
         record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
-                  "val_accuracy": val_acc}
+                  "val_accuracy": result.val_accuracy, **{f"val_{name}": value for name, value in values.items()}}
         result.history.append(record)
         self.log.write("epoch", **record)
-        acc_text = f", val accuracy {val_acc:.4f}" if val_acc is not None else ""
-        self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}, val loss {val_loss:.4f}"
-                           f"{acc_text}")
+        shown = "".join(f", val {name.replace('_', ' ')} {value:.4f}" for name, value in values.items())
+        self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}, val loss {val_loss:.4f}{shown}")
 
-    def _evaluate(self, data: Data, epoch: int) -> tuple[float, float | None]:
-        """Each rank evaluates its shard in the same number of batches; sums are all-reduced."""
+    def _evaluate(self, data: Data, epoch: int) -> tuple[float, dict[str, float]]:
+        """Each rank evaluates its shard in the same number of batches; the (sum, count) pair of the loss
+        and of every metric is all-reduced before dividing (`polytrain.objectives.reduce`)."""
         self._activity.set("evaluation")
         world, batch = self.world, self.spec.data.batch_size
+        metrics = objectives.metric_names(self.spec.metrics, data.info.task)
+        names = ("loss", *objectives.computed(metrics))
         mine = eval_shard(len(data.val), world.size, world.rank)
         n_batches = max(1, math.ceil(math.ceil(len(data.val) / world.size) / batch))
-        totals = np.zeros(3)
+        totals = np.zeros((len(names), 2))
         for x, y in self.prefetcher.batches(data.val, np.array_split(mine, n_batches), epoch):
-            totals += self.framework.evaluate(x, y)
-        loss_sum, correct, count = self.backend.all_reduce(totals)
-        if count == 0:
-            return math.nan, None
-        accuracy = None if data.info.task == "regression" else correct / count
-        return loss_sum / count, accuracy
+            batch_totals = self.framework.evaluate(x, y)
+            totals += [batch_totals[name] for name in names]
+        reduced = self.backend.all_reduce(totals.reshape(-1)).reshape(len(names), 2)
+        return objectives.reduce(dict(zip(names, map(tuple, reduced))), metrics)
 
     # ------------------------------------------------------------------ checkpoints
-    def _save_checkpoint(self, pos: Position) -> None:
-        with self.timeline.span("checkpoint", "checkpoint", step=pos.step):
-            self._write_checkpoint(pos)
-
-    def _write_checkpoint(self, pos: Position) -> None:
-        """Every rank takes part (state gathering is collective); rank 0 writes."""
-        self._activity.set(f"the checkpoint at step {pos.step}")
-        model = self.framework.export_state()
-        optimizer = self.framework.export_optimizer_state()
-        rng = self.backend.all_gather_object(self.framework.rng_state())
-        self._last_saved = pos.step
-        if self.world.rank != 0:
-            return
-        manifest = {
-            **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
-            "samples_in_epoch": min(pos.step_in_epoch * self.global_batch, self.per_epoch * self.global_batch),
-            "global_batch": self.global_batch, "rng_states": rng,
-            # the learning rate is a function of the step (polytrain.schedule); recorded for readers
-            "lr": lr_at(max(pos.step - 1, 0), optimizer=self.spec.optimizer, schedule=self.spec.schedule,
-                        world_size=self.world.size, steps_per_epoch=self.per_epoch,
-                        total_steps=self._total_steps()),
-            "loss_scaler": self.framework.loss_scaler_state(),
-        }
-        root = self.spec.checkpoint_dir
-        try:
-            path = ckpt.save_checkpoint(root, pos.step, {"model": model, "optimizer": optimizer}, manifest,
-                                        keep_last=self.spec.checkpoint.keep_last)
-        except OSError as exc:  # disk full, file too large, read-only or missing directory
-            kept = ckpt.complete_checkpoints(root)
-            previous = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint exists"
-            raise TrainingFailure(
-                f"checkpoint.dir: cannot write the checkpoint of step {pos.step} under {root} "
-                f"({exc.strerror or exc}); {previous}; free space or choose another checkpoint.dir, then "
-                "resume with --resume auto") from exc
-        self.log.write("checkpoint", step=pos.step, path=str(path))
-
     def _total_steps(self) -> int:
         loop = self.spec.loop
         total = self.per_epoch * loop.epochs
@@ -339,68 +279,3 @@ class Trainer:
                 path = write_chrome_trace(self.timeline_path, dict(enumerate(everyone)), metadata=meta)
                 self.progress.line(f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
 
-    def _resume_target(self) -> str | None:
-        """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
-        if self.resume:
-            return self.resume
-        restarts = max(int(os.environ.get(var, "0") or 0) for var in RESTART_COUNT_VARIABLES)
-        checkpointing = self.spec.checkpoint.every_n_steps or self.spec.checkpoint.every_n_epochs
-        return "auto" if restarts > 0 and checkpointing else None
-
-    def _restore(self) -> Position:
-        """Load the checkpoint named by --resume into the model and optimizer; return where to go on."""
-        target = self._resume_target()
-        found = ckpt.resolve(target, self.spec.checkpoint_dir) if self.world.rank == 0 else None
-        path = self.backend.broadcast_object(str(found) if found else None)
-        if path is None:
-            self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")
-            return Position()
-        manifest, tensors = ckpt.load_checkpoint(Path(path))
-        if manifest.get("model_digest") != self.spec.model_digest():
-            raise ckpt.CheckpointError(
-                f"--resume: {path} was written by a different model/data/seed (model digest "
-                f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()}); resume it with the "
-                f"spec that wrote it (saved in its manifest.json), or start without --resume")
-        if manifest.get("global_batch", self.global_batch) != self.global_batch and manifest.get("step_in_epoch"):
-            raise ckpt.CheckpointError(
-                f"--resume: {path} stopped mid-epoch with a global batch of {manifest['global_batch']}, "
-                f"this run's is {self.global_batch}; set data.global_batch_size={manifest['global_batch']}")
-        self.framework.load_state(tensors["model"])
-        self.framework.load_optimizer_state(tensors.get("optimizer", {}))
-        same_rng = manifest.get("framework") == self.spec.framework and manifest["world_size"] == self.world.size
-        if manifest.get("loss_scaler"):
-            self.framework.load_loss_scaler_state(manifest["loss_scaler"])
-        if same_rng and len(manifest.get("rng_states", [])) == self.world.size:  # another framework's RNG: skip
-            self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
-        pos = Position(manifest["global_step"], manifest["epoch"], manifest["step_in_epoch"])
-        self.progress.line(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "
-                           f"step {pos.step_in_epoch} of the epoch)")
-        self.log.write("resume", step=pos.step, path=str(path))
-        return pos
-
-    def _describe(self) -> dict[str, Any]:
-        import polytrain
-
-        return {
-            "polytrain": polytrain.__version__, "spec": self.spec.to_dict(), "spec_digest": self.spec.digest(),
-            "model_digest": self.spec.model_digest(), "framework": self.spec.framework,
-            "backend": self.backend.name, "world_size": self.world.size, "versions": library_versions(),
-        }
-
-    def _save_model(self, result: TrainResult) -> None:
-        state = self.framework.export_state()  # collective on sharded backends: every rank calls it
-        digests = self.backend.all_gather_object(ckpt.state_digest(state))
-        if self.world.rank != 0:
-            return
-        manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
-                    "val_accuracy": result.val_accuracy, "val_loss": result.val_loss, "rank_state_digests": digests}
-        try:
-            ckpt.write_model(Path(self.spec.output), state, manifest)
-        except OSError as exc:
-            raise TrainingFailure(f"output: cannot write the trained model to {self.spec.output} "
-                                  f"({exc.strerror or exc}); free space or choose another output directory") from exc
-        if result.val_accuracy is not None:
-            self.progress.line(f"validation accuracy: {result.val_accuracy:.4f}")
-        else:
-            self.progress.line(f"validation loss: {result.val_loss:.6f}")
-        self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")

@@ -219,13 +219,14 @@ class FakeFramework:
             self.grads[name][...] = 0
         return norm if clip_norm is not None else None
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
         self.calls.evaluated.append(len(x))
         if len(x) == 0:
-            return 0.0, 0.0, 0
+            return {"loss": (0.0, 0.0)} if self.task == "regression" else {"loss": (0.0, 0.0), "accuracy": (0.0, 0.0)}
         losses, _, pred = self._forward(x, y)
-        correct = 0.0 if self.task == "regression" else float((pred == y).sum())
-        return float(losses.sum()), correct, len(x)
+        if self.task == "regression":
+            return {"loss": (float(losses.sum()), float(len(x)))}
+        return {"loss": (float(losses.sum()), float(len(x))), "accuracy": (float((pred == y).sum()), float(len(x)))}
 
     # ------------------------------------------------------------------ state
     def export_state(self) -> dict[str, np.ndarray]:

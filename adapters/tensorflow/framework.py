@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.random.seed_generator import global_seed_generator  # Keras exports no public accessor
 
+from polytrain import objectives
 from polytrain.adapters.tensorflow.backend import TFBackend
 from polytrain.adapters.tensorflow.models import (
     PortableVariable,
@@ -32,6 +33,7 @@ from polytrain.adapters.tensorflow.models import (
     input_dtype,
     to_portable,
 )
+from polytrain.adapters.tensorflow.objectives import evaluation, loss_fn, metric_fns
 from polytrain.adapters.tensorflow.optimizers import make_optimizer
 from polytrain.errors import SpecError, UserError
 from polytrain.protocols import DatasetInfo
@@ -57,7 +59,10 @@ class TensorFlowFramework:
                             "does not train (allowed: classification, regression or next_token data)")
         self.info = info
         self.regression = info.task == "regression"
-        self.sequence = info.task == "next_token"  # logits (batch, length, vocab); loss per sample = token mean
+        self.sequence = info.task == "next_token"  # logits (batch, length, vocab)
+        self.loss_name = objectives.loss_name(self.spec.loss, info.task)
+        self.loss = loss_fn(self.loss_name)  # one value per sample
+        self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task))
         keras.utils.set_random_seed(self.spec.seed)  # a user's factory draws alike on every rank
         with tf.device(self.backend.device):
             self.model, self.entries = build_model(self.spec.model.name, self.spec.model.params, info,
@@ -83,13 +88,7 @@ class TensorFlowFramework:
 
     # ---------------------------------------------------------------- compiled pieces
     def _loss_sum(self, out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        out = tf.cast(out, tf.float32)
-        if self.regression:
-            return tf.reduce_sum(tf.square(tf.reshape(out, [-1]) - y))
-        if self.sequence:  # (batch, length) per-token losses → the mean per sample, summed
-            per_token = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out)
-            return tf.reduce_sum(tf.reduce_mean(per_token, axis=1))
-        return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out))
+        return tf.reduce_sum(self.loss(tf.cast(out, tf.float32), y))
 
     def _forward_backward(self, x: tf.Tensor, y: tf.Tensor, loss_scale: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
@@ -126,19 +125,9 @@ class TensorFlowFramework:
         for acc in self.accumulators:
             acc.assign(tf.zeros_like(acc))
 
-    def _eval(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        out = self.model(x, training=False)
-        if self.sequence:  # per-token sums (count: every token), as the PyTorch adapter evaluates
-            logits = tf.cast(out, tf.float32)
-            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-            return loss, tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, axis=-1), y), tf.float32))
-        loss = self._loss_sum(out, y)
-        if self.regression:
-            return loss, tf.constant(0.0)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, axis=1), y), tf.float32))
-        return loss, correct
+    def _eval(self, x: tf.Tensor, y: tf.Tensor) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
+        return evaluation(self.loss_name, self.loss, self.metric_fns, self.model(x, training=False), y)
 
-    # ---------------------------------------------------------------- the Framework protocol
     def _inputs(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(x, self.x_dtype), np.asarray(y, self.y_dtype)
 
@@ -158,12 +147,12 @@ class TensorFlowFramework:
             norm = self._apply_fn(scalars, tf.constant(clip_norm or 0.0, tf.float32), clip_norm is not None)
         return float(norm) if clip_norm is not None else None
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
         if not len(x):
-            return 0.0, 0.0, 0
+            return {name: (0.0, 0.0) for name in ("loss", *self.metric_fns)}
         with tf.device(self.backend.device):
-            loss, correct = self._eval_fn(*self._inputs(x, y))
-        return float(loss), float(correct), int(np.size(y)) if self.sequence else len(y)
+            totals = self._eval_fn(*self._inputs(x, y))
+        return {name: (float(total), float(count)) for name, (total, count) in totals.items()}
 
     def export_state(self) -> dict[str, np.ndarray]:
         return {e.name: to_portable(np.asarray(e.variable.numpy()), e.layout) for e in self.entries}

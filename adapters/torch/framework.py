@@ -9,10 +9,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from polytrain import objectives
 from polytrain.adapters.torch.backend import TorchBackend
 from polytrain.adapters.torch.models import build_model
+from polytrain.adapters.torch.objectives import evaluation, loss_fn, metric_fns
 from polytrain.protocols import DatasetInfo
 from polytrain.spec import OptimizerSpec, TrainSpec
 from polytrain.world import World
@@ -52,8 +53,9 @@ class TorchFramework:
         optimizer = make_optimizer(self.spec.optimizer, model.parameters())
         self.model, self.optimizer = self.backend.wrap(model, optimizer)
         torch.manual_seed(self.spec.seed + self.world.rank)  # per-rank randomness from here on
-        self.regression = info.task == "regression"
-        self.sequence = info.task == "next_token"  # logits (batch, length, vocab); loss per sample = token mean
+        self.loss_name = objectives.loss_name(self.spec.loss, info.task)
+        self.loss = loss_fn(self.loss_name)  # one value per sample
+        self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task))
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.spec.precision)
         self.scaler = self.backend.grad_scaler()  # fp16: dynamic loss scaling, unless the backend owns it
         self.skipped_steps = 0
@@ -63,13 +65,7 @@ class TorchFramework:
         return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
 
     def _loss_sum(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = out.float()
-        if self.regression:
-            return F.mse_loss(out.reshape(-1), y, reduction="sum")
-        if self.sequence:
-            per_token = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none")
-            return per_token.view(y.shape).mean(dim=1).sum()
-        return F.cross_entropy(out, y, reduction="sum")
+        return self.loss(out.float(), y).sum()
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.autocast_dtype is None:
@@ -125,19 +121,13 @@ class TorchFramework:
         return {} if scale is None else {"skipped_steps": float(self.skipped_steps), "loss_scale": scale}
 
     @torch.no_grad()
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
         model = self.backend.unwrap(self.model)
         model.eval()
         xb, yb = self._tensors(x, y)
         with self._autocast():
             out = model(xb)
-        if self.sequence:  # per-token sums and counts: val loss and accuracy are per next token
-            per_token = F.cross_entropy(out.float().flatten(0, 1), yb.flatten(), reduction="sum")
-            return float(per_token), float((out.argmax(dim=-1) == yb).sum()), yb.numel()
-        loss = float(self._loss_sum(out, yb))
-        if self.regression:
-            return loss, 0.0, len(y)
-        return loss, float((out.argmax(dim=1) == yb).sum()), len(y)
+        return evaluation(self.loss_name, self.loss, self.metric_fns, out, yb)
 
     def export_state(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.backend.full_state(self.model).items()}

@@ -112,7 +112,7 @@ def exchange(out: str) -> None:
         fw = registry.create_framework(other_spec, World(), backend)
         fw.build(data.info)
         fw.load_state(state)
-        _, correct, count = fw.evaluate(data.x_val, data.y_val)
+        correct, count = fw.evaluate(data.x_val, data.y_val)["accuracy"]
         results[trained] = {"trained_accuracy": manifest["val_accuracy"], "other_accuracy": correct / count,
                             "round_trip_identical": state_digest(fw.export_state()) == state_digest(state)}
     Path(out, "exchange.json").write_text(json.dumps(results))

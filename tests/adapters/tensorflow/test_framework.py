@@ -108,12 +108,12 @@ def test_bf16_trains_like_fp32(digits) -> None:
     results = {}
     for precision in ("fp32", "bf16"):
         fw, _ = make(precision=precision, optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9})
-        loss0, _, _ = fw.evaluate(digits.x_val, digits.y_val)
+        loss0 = fw.evaluate(digits.x_val, digits.y_val)["loss"][0]
         for i in range(30):
             idx = slice(32 * i, 32 * i + 32)
             fw.train_micro_step(digits.x_train[idx], digits.y_train[idx], 1 / 32, sync=True)
             fw.optimizer_step(0.1, None)
-        loss, correct, count = fw.evaluate(digits.x_val, digits.y_val)
+        (loss, count), (correct, _) = fw.evaluate(digits.x_val, digits.y_val).values()
         assert count == len(digits.y_val) and loss < 0.8 * loss0, precision
         results[precision] = loss
         assert {v.dtype for v in fw.model.trainable_variables} == {"float32"}
@@ -128,7 +128,7 @@ def test_empty_micro_batch_adds_nothing(digits) -> None:
     before = [a.numpy().copy() for a in fw.accumulators]
     assert fw.train_micro_step(x[:0], y[:0], 1 / 8, sync=True) == 0.0
     assert all(np.array_equal(a.numpy(), b) for a, b in zip(fw.accumulators, before))
-    assert fw.evaluate(x[:0], y[:0]) == (0.0, 0.0, 0)
+    assert fw.evaluate(x[:0], y[:0]) == {"loss": (0.0, 0.0), "accuracy": (0.0, 0.0)}
 
 
 def test_nonfinite_gradients_are_seen_and_discarded(digits) -> None:

@@ -146,10 +146,11 @@ def test_frameworks_agree_on_loss_gradients_and_evaluation(tie: bool) -> None:
         np.testing.assert_allclose(to_portable(acc.numpy(), entry.layout), grads[entry.name], rtol=1e-4, atol=1e-6,
                                    err_msg=entry.name)
     evaluations = [fw.evaluate(data.x_val, data.y_val) for fw in (torch_fw, tf_fw)]
-    assert evaluations[1][2] == evaluations[0][2] == data.y_val.size  # counted per token
-    assert evaluations[1][0] == pytest.approx(evaluations[0][0], rel=1e-5)
-    assert evaluations[1][1] == evaluations[0][1]
-    assert tf_fw.evaluate(x[:0], y[:0]) == (0.0, 0.0, 0)
+    assert evaluations[1]["loss"][1] == evaluations[0]["loss"][1] == data.y_val.size  # counted per token
+    assert evaluations[1]["accuracy"][1] == evaluations[0]["accuracy"][1] == data.y_val.size
+    assert evaluations[1]["loss"][0] == pytest.approx(evaluations[0]["loss"][0], rel=1e-5)
+    assert evaluations[1]["accuracy"][0] == evaluations[0]["accuracy"][0]
+    assert tf_fw.evaluate(x[:0], y[:0]) == {"loss": (0.0, 0.0), "accuracy": (0.0, 0.0)}
     assert tf_fw.train_micro_step(x[:0], y[:0], 1 / 16, sync=True) == 0.0  # an empty micro-batch adds nothing
 
 
@@ -167,7 +168,7 @@ def test_dropout_is_for_training_only_and_follows_the_rng_state() -> None:
     assert losses[0] != losses[1] and again == losses[0]  # fresh masks each step, reproducible from a checkpoint
     evaluations = [fw.evaluate(x, y) for fw in (tf_fw, tf_fw, torch_fw)]  # no dropout when evaluating
     assert evaluations[0] == evaluations[1]
-    assert evaluations[0][0] == pytest.approx(evaluations[2][0], rel=1e-5)
+    assert evaluations[0]["loss"][0] == pytest.approx(evaluations[2]["loss"][0], rel=1e-5)
 
 
 def test_bf16_computes_in_bfloat16_close_to_fp32() -> None:
@@ -246,6 +247,6 @@ def test_tensorflow_learns_the_token_rule_like_pytorch(tmp_path: Path) -> None:
     np.testing.assert_array_equal(state["head.weight"], state["tok_emb.weight"])
     torch_fw, data = make("torch", **{k: v for k, v in raw.items() if k != "framework"})
     torch_fw.load_state(state)
-    loss, correct, count = torch_fw.evaluate(data.x_val, data.y_val)
+    (loss, count), (correct, _) = torch_fw.evaluate(data.x_val, data.y_val).values()
     assert correct / count == pytest.approx(manifest["val_accuracy"], abs=1e-9)
     assert loss / count == pytest.approx(manifest["val_loss"], rel=1e-5)

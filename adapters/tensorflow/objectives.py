@@ -1,0 +1,97 @@
+"""The loss and the metrics on TensorFlow tensors, inside the compiled steps (names and reduction rules:
+`polytrain.objectives`; the same definitions as ``adapters/torch/objectives.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from polytrain import objectives
+from polytrain.errors import SpecError
+from polytrain.user_code import is_import_path, load_callable
+
+PerSample = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+
+
+def _rows(t: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(t, [tf.shape(t)[0], -1])
+
+
+def _mse(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_mean(tf.square(_rows(out) - _rows(tf.cast(y, out.dtype))), axis=1)
+
+
+def _mae(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_mean(tf.abs(_rows(out) - _rows(tf.cast(y, out.dtype))), axis=1)
+
+
+def _bce(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    per = tf.nn.sigmoid_cross_entropy_with_logits(labels=_rows(tf.cast(y, out.dtype)), logits=_rows(out))
+    return tf.reduce_mean(per, axis=1)
+
+
+def _next_token(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """(batch, length, vocab) logits: each sample's mean loss over its tokens."""
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out), axis=1)
+
+
+LOSSES: dict[str, PerSample] = {
+    "cross_entropy": lambda out, y: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out),
+    "mse": _mse,
+    "bce": _bce,
+    "next_token": _next_token,
+}
+
+
+def _correct(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(tf.cast(tf.equal(tf.argmax(out, axis=-1), y), tf.float32), [-1])
+
+
+def _top5(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    top = tf.math.top_k(out, k=min(5, int(out.shape[-1]))).indices
+    hit = tf.reduce_any(tf.equal(tf.cast(top, y.dtype), tf.expand_dims(y, -1)), axis=-1)
+    return tf.reshape(tf.cast(hit, tf.float32), [-1])
+
+
+METRICS: dict[str, PerSample] = {"accuracy": _correct, "top5_accuracy": _top5, "mse": _mse, "mae": _mae}
+
+
+def _checked(fn: Any, field_name: str, name: str) -> PerSample:
+    """The user's function, held to one value per sample (checked when the step is traced)."""
+    def per_sample(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        value = fn(out, y)
+        if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank != 1:
+            shape = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
+            raise SpecError(f"{field_name}: {name} returned {shape}; it must return one value per sample, a "
+                            "tensor of shape (batch,) (not reduced to a mean or a sum)")
+        return tf.cast(value, tf.float32)
+    return per_sample
+
+
+def loss_fn(name: str) -> PerSample:
+    return _checked(load_callable(name, "loss"), "loss", name) if is_import_path(name) else LOSSES[name]
+
+
+def metric_fns(names: tuple[str, ...]) -> dict[str, PerSample]:
+    out = {}
+    for i, name in enumerate(objectives.computed(names)):
+        out[name] = _checked(load_callable(name, f"metrics[{i}]"), f"metrics[{i}]", name) \
+            if is_import_path(name) else METRICS[name]
+    return out
+
+
+def evaluation(loss_name: str, loss: PerSample, metrics: dict[str, PerSample], out: tf.Tensor,
+               y: tf.Tensor) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
+    """(sum, count) of the loss and of every metric over one batch; the built-in next-token loss per token."""
+    out = tf.cast(out, tf.float32)
+    if loss_name == "next_token":
+        per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=out)
+    else:
+        per = loss(out, y)
+    totals = {"loss": (tf.reduce_sum(per), tf.cast(tf.size(per), tf.float32))}
+    for name, fn in metrics.items():
+        values = fn(out, y)
+        totals[name] = (tf.reduce_sum(values), tf.cast(tf.size(values), tf.float32))
+    return totals

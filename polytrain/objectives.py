@@ -1,0 +1,76 @@
+"""What training minimises and what evaluation reports, by name: the loss and the metrics.
+
+Framework-neutral: names, defaults per task and the exact reduction across ranks. Each framework
+adapter computes the numbers (``adapters/<framework>/objectives.py``): a loss gives one value per
+sample (the Trainer's exact-averaging rule sums them and scales the sum), a metric one value per
+sample (per token for next-token data) that evaluation sums, with its count; the sums and counts
+of every rank are added up before dividing, never averages of averages. ``perplexity`` is
+``exp(validation loss)``, computed from the reduced loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from polytrain.errors import SpecError
+from polytrain.user_code import is_import_path, load_callable
+
+LOSSES = ("cross_entropy", "mse", "bce", "next_token")
+METRICS = ("accuracy", "top5_accuracy", "mse", "mae", "perplexity")
+#: computed from the reduced validation loss, not from per-sample values
+DERIVED = ("perplexity",)
+
+DEFAULT_LOSS = {"classification": "cross_entropy", "regression": "mse", "next_token": "next_token"}
+DEFAULT_METRICS = {"classification": ("accuracy",), "regression": (), "next_token": ("accuracy",)}
+
+
+def check_names(loss: str | None, metrics: Sequence[str] | None) -> None:
+    """Every name is built in or an importable ``package.module:function`` (one-line errors)."""
+    if loss is not None:
+        if is_import_path(loss):
+            load_callable(loss, "loss")
+        elif loss not in LOSSES:
+            raise SpecError(f"loss: {loss!r} is not a built-in loss (allowed: {', '.join(LOSSES)}, "
+                            "or package.module:function returning one loss per sample)")
+    for i, name in enumerate(metrics or ()):
+        if is_import_path(name):
+            load_callable(name, f"metrics[{i}]")
+        elif name not in METRICS:
+            raise SpecError(f"metrics[{i}]: {name!r} is not a built-in metric (allowed: {', '.join(METRICS)}, "
+                            "or package.module:function returning one value per sample)")
+    if metrics is not None and len(set(metrics)) != len(metrics):
+        raise SpecError(f"metrics: each metric may appear once, got {list(metrics)}")
+
+
+def loss_name(loss: str | None, task: str) -> str:
+    return loss if loss is not None else DEFAULT_LOSS[task]
+
+
+def metric_names(metrics: Sequence[str] | None, task: str) -> tuple[str, ...]:
+    return tuple(metrics) if metrics is not None else DEFAULT_METRICS[task]
+
+
+def computed(metrics: Sequence[str]) -> tuple[str, ...]:
+    """The metrics a framework computes per sample (the derived ones come from the loss)."""
+    return tuple(m for m in metrics if m not in DERIVED)
+
+
+def metric_key(name: str) -> str:
+    """How a metric is named in logs: a user function by its function name."""
+    return name.rpartition(":")[2] if is_import_path(name) else name
+
+
+def reduce(totals: Mapping[str, tuple[float, float]], metrics: Sequence[str]) -> tuple[float, dict[str, float]]:
+    """(validation loss, {metric: value}) from summed (value, count) pairs; NaN where a count is 0."""
+    def mean(pair: tuple[float, float]) -> float:
+        return pair[0] / pair[1] if pair[1] else math.nan
+
+    loss = mean(totals["loss"])
+    values = {}
+    for name in metrics:
+        if name == "perplexity":
+            values[name] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+        else:
+            values[metric_key(name)] = mean(totals[name])
+    return loss, values

@@ -1,0 +1,146 @@
+"""A training run's checkpoints: writing them, finding and restoring the one to resume from, and
+the final model. Part of `polytrain.trainer.Trainer` (a base class of it), kept apart for length."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polytrain import checkpoint as ckpt
+from polytrain.errors import TrainingFailure
+from polytrain.failures import library_versions
+from polytrain.schedule import lr_at
+
+# Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
+RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
+
+
+@dataclass
+class TrainResult:
+    global_step: int = 0
+    epochs_done: int = 0
+    train_loss: float = math.nan
+    val_loss: float = math.nan
+    val_accuracy: float | None = None
+    #: the last evaluation's metrics by name (``accuracy``, ``mae``, a user function's name, ...)
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    samples_per_s: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Position:
+    """Where training stands: the next step to run, its epoch and index within the epoch."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+
+
+class TrainerCheckpoints:
+    """The checkpoint half of the Trainer; it reads the run's state from the Trainer's attributes."""
+
+    def _save_checkpoint(self, pos: Position) -> None:
+        with self.timeline.span("checkpoint", "checkpoint", step=pos.step):
+            self._write_checkpoint(pos)
+
+    def _write_checkpoint(self, pos: Position) -> None:
+        """Every rank takes part (state gathering is collective); rank 0 writes."""
+        self._activity.set(f"the checkpoint at step {pos.step}")
+        model = self.framework.export_state()
+        optimizer = self.framework.export_optimizer_state()
+        rng = self.backend.all_gather_object(self.framework.rng_state())
+        self._last_saved = pos.step
+        if self.world.rank != 0:
+            return
+        manifest = {
+            **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
+            "samples_in_epoch": min(pos.step_in_epoch * self.global_batch, self.per_epoch * self.global_batch),
+            "global_batch": self.global_batch, "rng_states": rng,
+            # the learning rate is a function of the step (polytrain.schedule); recorded for readers
+            "lr": lr_at(max(pos.step - 1, 0), optimizer=self.spec.optimizer, schedule=self.spec.schedule,
+                        world_size=self.world.size, steps_per_epoch=self.per_epoch,
+                        total_steps=self._total_steps()),
+            "loss_scaler": self.framework.loss_scaler_state(),
+        }
+        root = self.spec.checkpoint_dir
+        try:
+            path = ckpt.save_checkpoint(root, pos.step, {"model": model, "optimizer": optimizer}, manifest,
+                                        keep_last=self.spec.checkpoint.keep_last)
+        except OSError as exc:  # disk full, file too large, read-only or missing directory
+            kept = ckpt.complete_checkpoints(root)
+            previous = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint exists"
+            raise TrainingFailure(
+                f"checkpoint.dir: cannot write the checkpoint of step {pos.step} under {root} "
+                f"({exc.strerror or exc}); {previous}; free space or choose another checkpoint.dir, then "
+                "resume with --resume auto") from exc
+        self.log.write("checkpoint", step=pos.step, path=str(path))
+
+    def _resume_target(self) -> str | None:
+        """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
+        if self.resume:
+            return self.resume
+        restarts = max(int(os.environ.get(var, "0") or 0) for var in RESTART_COUNT_VARIABLES)
+        checkpointing = self.spec.checkpoint.every_n_steps or self.spec.checkpoint.every_n_epochs
+        return "auto" if restarts > 0 and checkpointing else None
+
+    def _restore(self) -> Position:
+        """Load the checkpoint named by --resume into the model and optimizer; return where to go on."""
+        target = self._resume_target()
+        found = ckpt.resolve(target, self.spec.checkpoint_dir) if self.world.rank == 0 else None
+        path = self.backend.broadcast_object(str(found) if found else None)
+        if path is None:
+            self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")
+            return Position()
+        manifest, tensors = ckpt.load_checkpoint(Path(path))
+        if manifest.get("model_digest") != self.spec.model_digest():
+            raise ckpt.CheckpointError(
+                f"--resume: {path} was written by a different model/data/seed (model digest "
+                f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()}); resume it with the "
+                f"spec that wrote it (saved in its manifest.json), or start without --resume")
+        if manifest.get("global_batch", self.global_batch) != self.global_batch and manifest.get("step_in_epoch"):
+            raise ckpt.CheckpointError(
+                f"--resume: {path} stopped mid-epoch with a global batch of {manifest['global_batch']}, "
+                f"this run's is {self.global_batch}; set data.global_batch_size={manifest['global_batch']}")
+        self.framework.load_state(tensors["model"])
+        self.framework.load_optimizer_state(tensors.get("optimizer", {}))
+        same_rng = manifest.get("framework") == self.spec.framework and manifest["world_size"] == self.world.size
+        if manifest.get("loss_scaler"):
+            self.framework.load_loss_scaler_state(manifest["loss_scaler"])
+        if same_rng and len(manifest.get("rng_states", [])) == self.world.size:  # another framework's RNG: skip
+            self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
+        pos = Position(manifest["global_step"], manifest["epoch"], manifest["step_in_epoch"])
+        self.progress.line(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "
+                           f"step {pos.step_in_epoch} of the epoch)")
+        self.log.write("resume", step=pos.step, path=str(path))
+        return pos
+
+    def _describe(self) -> dict[str, Any]:
+        import polytrain
+
+        return {
+            "polytrain": polytrain.__version__, "spec": self.spec.to_dict(), "spec_digest": self.spec.digest(),
+            "model_digest": self.spec.model_digest(), "framework": self.spec.framework,
+            "backend": self.backend.name, "world_size": self.world.size, "versions": library_versions(),
+        }
+
+    def _save_model(self, result: TrainResult) -> None:
+        state = self.framework.export_state()  # collective on sharded backends: every rank calls it
+        digests = self.backend.all_gather_object(ckpt.state_digest(state))
+        if self.world.rank != 0:
+            return
+        manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
+                    "val_accuracy": result.val_accuracy, "val_loss": result.val_loss, "rank_state_digests": digests}
+        try:
+            ckpt.write_model(Path(self.spec.output), state, manifest)
+        except OSError as exc:
+            raise TrainingFailure(f"output: cannot write the trained model to {self.spec.output} "
+                                  f"({exc.strerror or exc}); free space or choose another output directory") from exc
+        if result.val_accuracy is not None:
+            self.progress.line(f"validation accuracy: {result.val_accuracy:.4f}")
+        else:
+            self.progress.line(f"validation loss: {result.val_loss:.6f}")
+        self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")
