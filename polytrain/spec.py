@@ -126,6 +126,20 @@ class ScheduleSpec:
     min_lr: float = rule(0.0, min=0.0)
 
 
+MODES = ("min", "max")
+
+
+@dataclass(frozen=True)
+class EarlyStoppingSpec:
+    """Stop when ``monitor`` (val_loss, train_loss or val_<metric>) has not improved by ``min_delta`` for
+    ``patience`` validations (Lightning's EarlyStopping); decided identically on every rank."""
+
+    monitor: str | None = None  # null: off
+    mode: str = rule("min", choices=MODES)
+    patience: int = rule(3, min=1)
+    min_delta: float = rule(0.0, min=0.0)
+
+
 @dataclass(frozen=True)
 class LoopSpec:
     epochs: int = rule(10, min=1)
@@ -133,6 +147,7 @@ class LoopSpec:
     grad_accum_steps: int = rule(1, min=1)
     grad_clip_norm: float | None = rule(None, min=0.0, min_exclusive=True)
     log_every_n_steps: int = rule(10, min=1)
+    early_stopping: EarlyStoppingSpec = field(default_factory=EarlyStoppingSpec)
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,13 @@ class CheckpointSpec:
     every_n_steps: int | None = rule(None, min=1)
     every_n_epochs: int | None = rule(None, min=1)
     keep_last: int = rule(3, min=1)
+    # best checkpoints (Lightning's ModelCheckpoint): after each validation, keep the save_top_k best by
+    # monitor (val_loss, train_loss or val_<metric>) under <checkpoint dir>/best; save_last: also save the
+    # state after every validation as a regular (resumable) checkpoint
+    monitor: str | None = None
+    mode: str = rule("min", choices=MODES)
+    save_top_k: int = rule(1, min=1)
+    save_last: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,6 +193,9 @@ class TrainSpec:
     # built-in (accuracy, top5_accuracy, mse, mae, perplexity) or package.module:function(outputs, targets) -> one
     # value per sample; null: the task's (accuracy for classification and next-token data)
     metrics: tuple[str, ...] | None = None
+    # package.module:Class, each made with no arguments, its hooks (on_train_start, on_step_end,
+    # on_validation_end, on_checkpoint, on_train_end) called on every rank (see polytrain.callbacks)
+    callbacks: tuple[str, ...] | None = None
     seed: int = rule(0, min=0)
     output: str = "runs/polytrain"
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)

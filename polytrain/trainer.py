@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,13 +47,16 @@ class Trainer(TrainerCheckpoints):
     def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
                  resume: str | None = None, timeline: str | None = None, verbose: bool = False,
                  backend_factory: BackendFactory = registry.create_backend,
-                 framework_factory: FrameworkFactory = registry.create_framework, data: Data | None = None) -> None:
+                 framework_factory: FrameworkFactory = registry.create_framework, data: Data | None = None,
+                 callbacks: Sequence[Any] = ()) -> None:
         """``timeline``: a file to write a Chrome-trace timeline of every rank into (see polytrain.timeline);
         ``verbose``: every rank shows its progress (prefixed with its rank), not only rank 0;
         ``backend_factory``/``framework_factory``: what makes the two adapters (the registry's resolvers;
         anything that builds a `polytrain.protocols.Backend`/`Framework`, such as a test's fakes);
-        ``data``: the samples to train on (default: the spec's data source, opened by the registry)."""
+        ``data``: the samples to train on (default: the spec's data source, opened by the registry);
+        ``callbacks``: callback objects, called after those the spec names (see polytrain.callbacks)."""
         self.backend_factory, self.framework_factory, self.data = backend_factory, framework_factory, data
+        self.extra_callbacks = list(callbacks)
         self.spec = spec
         self.world = world if world is not None else detect_world()
         self.show_progress = show_progress
@@ -79,6 +84,7 @@ class Trainer(TrainerCheckpoints):
             data = self.data if self.data is not None else registry.open_data(spec)
             self.prefetcher = Prefetcher(spec.data.workers, spec.data.prefetch, spec.seed, augment=data.augment,
                                          transform=load_transform(spec.data.transform))
+            self._set_up_callbacks(data)
             self.framework = self.framework_factory(spec, world, self.backend)
             check = spec.reliability.startup_check and world.size > 1
             if check:  # before building: a wrapper like DDP would fail on mismatched models with less to say
@@ -114,6 +120,7 @@ class Trainer(TrainerCheckpoints):
                     f"({detail})") from exc
             self._save_model(result)
             self._write_timeline()
+            self.callbacks.call("on_train_end", result)
             return result
         finally:
             if self.watchdog is not None:
@@ -136,8 +143,9 @@ class Trainer(TrainerCheckpoints):
         result = TrainResult(global_step=start.step, epochs_done=start.epoch)
         step = start.step
         here = Position(start.step, start.epoch, start.step_in_epoch)  # where the loop stands, for saves
+        self.callbacks.call("on_train_start")
         for epoch in range(start.epoch, loop.epochs):
-            if step >= total:
+            if step >= total or self.stopped_early:
                 break
             first = start.step_in_epoch if epoch == start.epoch else 0
             self.progress.start_epoch(epoch, loop.epochs, min(per_epoch, first + total - step))
@@ -172,6 +180,7 @@ class Trainer(TrainerCheckpoints):
                 if verify_every and step % verify_every == 0:
                     self._verify_replicas(step)
                 here = Position(step, epoch, i + 1)
+                logs: dict[str, Any] = {"epoch": epoch, "lr": lr}
                 if step % loop.log_every_n_steps == 0 or i + 1 == per_epoch or step == total:
                     loss_total, count = self.backend.all_reduce(window)
                     elapsed = time.perf_counter() - window_start
@@ -181,22 +190,35 @@ class Trainer(TrainerCheckpoints):
                                    **fw.step_stats())
                     self.progress.update(i + 1, loss, speed)
                     result.train_loss, result.samples_per_s = loss, speed
+                    logs["loss"] = loss
                     window[:] = 0
                     window_start = time.perf_counter()
+                self.callbacks.call("on_step_end", step, logs)
                 if every_steps and step % every_steps == 0 and i + 1 < per_epoch:
                     self._save_checkpoint(here)
             batches.close()
             self.progress.end_epoch()
             complete = here.epoch == epoch and here.step_in_epoch == per_epoch
-            self._end_epoch(data, result, epoch, step, complete=complete)
+            stop = self._end_epoch(data, result, epoch, step, complete=complete)
+            if complete:
+                here = Position(step, epoch + 1, 0)
+            self._save_best(here, result.history[-1])
             if not complete:  # stopped mid-epoch by loop.max_steps
                 break
-            here = Position(step, epoch + 1, 0)
-            if every_epochs and (epoch + 1) % every_epochs == 0 or every_steps and step % every_steps == 0:
+            if (every_epochs and (epoch + 1) % every_epochs == 0 or every_steps and step % every_steps == 0
+                    or spec.checkpoint.save_last or stop):
                 self._save_checkpoint(here)
-        if (every_steps or every_epochs) and self._last_saved != step:  # always leave the final state resumable
+            if stop:
+                self.progress.line(f"early stopping after epoch {epoch + 1}: {loop.early_stopping.monitor} has not "
+                                   f"improved for {loop.early_stopping.patience} validation(s)")
+                self.log.write("early_stopping", epoch=epoch, step=step)
+                break
+        if self.checkpointing and self._last_saved != step:  # always leave the final state resumable
             self._save_checkpoint(here)
+        if not result.history:  # nothing left to train (a resumed finished run): evaluate what there is
+            self._end_epoch(data, result, max(here.epoch - 1, 0), step, complete=True, decide=False)
         result.global_step = step
+        result.stopped_early = self.stopped_early
         return result
 
     # ------------------------------------------------------------------ reliability
@@ -234,7 +256,9 @@ class Trainer(TrainerCheckpoints):
             raise TrainingFailure(f"step {step}: the weights of rank(s) {', '.join(map(str, drifted))} differ from "
                                   f"rank 0's (replicas drifted apart; reliability.verify_every_n_steps)")
 
-    def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool) -> None:
+    def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool,
+                   decide: bool = True) -> bool:
+        """Evaluate, log and tell the callbacks; returns whether early stopping ends training now."""
         with self.timeline.span("evaluation", "evaluation", epoch=epoch):
             val_loss, values = self._evaluate(data, epoch)
         result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
@@ -246,6 +270,12 @@ class Trainer(TrainerCheckpoints):
         self.log.write("epoch", **record)
         shown = "".join(f", val {name.replace('_', ' ')} {value:.4f}" for name, value in values.items())
         self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}, val loss {val_loss:.4f}{shown}")
+        self.callbacks.call("on_validation_end", epoch, record)
+        if self.early_stopping is None or not decide:
+            return False
+        stop = self.early_stopping.update(record)
+        self.stopped_early = bool(self.backend.broadcast_object(stop))  # rank 0's decision, on every rank
+        return self.stopped_early
 
     def _evaluate(self, data: Data, epoch: int) -> tuple[float, dict[str, float]]:
         """Each rank evaluates its shard in the same number of batches; the (sum, count) pair of the loss

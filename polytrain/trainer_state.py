@@ -10,6 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from polytrain import checkpoint as ckpt
+from polytrain import objectives
+from polytrain.callbacks import (
+    BestCheckpoints,
+    CallbackList,
+    EarlyStopping,
+    RunInfo,
+    check_callback,
+    check_monitor,
+    load_callbacks,
+)
+from polytrain.data import Data
 from polytrain.errors import TrainingFailure
 from polytrain.failures import library_versions
 from polytrain.schedule import lr_at
@@ -27,6 +38,7 @@ class TrainResult:
     val_accuracy: float | None = None
     #: the last evaluation's metrics by name (``accuracy``, ``mae``, a user function's name, ...)
     val_metrics: dict[str, float] = field(default_factory=dict)
+    stopped_early: bool = False
     samples_per_s: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
 
@@ -43,19 +55,61 @@ class Position:
 class TrainerCheckpoints:
     """The checkpoint half of the Trainer; it reads the run's state from the Trainer's attributes."""
 
-    def _save_checkpoint(self, pos: Position) -> None:
-        with self.timeline.span("checkpoint", "checkpoint", step=pos.step):
-            self._write_checkpoint(pos)
+    def _set_up_callbacks(self, data: Data) -> None:
+        """The spec's and the caller's callbacks, early stopping and the best checkpoints; monitored names
+        are checked against what this run logs (one-line errors before anything is built)."""
+        spec, world = self.spec, self.world
+        run = RunInfo(world.rank, world.size, world.local_rank, spec)
+        for i, obj in enumerate(self.extra_callbacks):
+            check_callback(obj, f"callbacks[{i}]")
+        self.callbacks = CallbackList([*load_callbacks(spec.callbacks or ()), *self.extra_callbacks], run)
+        metrics = objectives.metric_names(spec.metrics, data.info.task)
+        logged = {"train_loss", "val_loss", *(f"val_{objectives.metric_key(m)}" for m in metrics)}
+        stopping, ck = spec.loop.early_stopping, spec.checkpoint
+        self.early_stopping, self.best, self.stopped_early = None, None, False
+        if stopping.monitor is not None:
+            check_monitor("loop.early_stopping.monitor", stopping.monitor, logged)
+            self.early_stopping = EarlyStopping(stopping.monitor, stopping.mode, stopping.patience, stopping.min_delta)
+        if ck.monitor is not None:
+            check_monitor("checkpoint.monitor", ck.monitor, logged)
+            self.best = BestCheckpoints(spec.checkpoint_dir / "best", ck.monitor, ck.mode, ck.save_top_k)
 
-    def _write_checkpoint(self, pos: Position) -> None:
-        """Every rank takes part (state gathering is collective); rank 0 writes."""
+    @property
+    def checkpointing(self) -> bool:
+        """Whether this run writes resumable checkpoints (and so leaves its final state resumable)."""
+        ck = self.spec.checkpoint
+        return bool(ck.every_n_steps or ck.every_n_epochs or ck.save_last)
+
+    def _save_best(self, pos: Position, record: dict[str, Any]) -> None:
+        """After a validation: a checkpoint under ``best/`` when the monitored value is among the top k."""
+        if self.best is None:
+            return
+        value = float(record[self.best.monitor])
+        if not self.backend.broadcast_object(self.best.wants(value) if self.world.rank == 0 else None):
+            return
+        path = self._save_checkpoint(pos, self.best.root)
+        if self.world.rank == 0:
+            self.best.keep(path, pos.step, record["epoch"], value)
+            self.log.write("best_checkpoint", step=pos.step, monitor=self.best.monitor, value=value, path=str(path))
+
+    def _save_checkpoint(self, pos: Position, root: Path | None = None) -> Path:
+        with self.timeline.span("checkpoint", "checkpoint", step=pos.step):
+            path = self._write_checkpoint(pos, root)
+        self.callbacks.call("on_checkpoint", pos.step, path)
+        return path
+
+    def _write_checkpoint(self, pos: Position, best_root: Path | None = None) -> Path:
+        """Every rank takes part (state gathering is collective); rank 0 writes. Returns the directory
+        (the same path on every rank)."""
         self._activity.set(f"the checkpoint at step {pos.step}")
         model = self.framework.export_state()
         optimizer = self.framework.export_optimizer_state()
         rng = self.backend.all_gather_object(self.framework.rng_state())
-        self._last_saved = pos.step
+        root = best_root or self.spec.checkpoint_dir
+        if best_root is None:
+            self._last_saved = pos.step
         if self.world.rank != 0:
-            return
+            return root / ckpt.step_dir_name(pos.step)
         manifest = {
             **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
             "samples_in_epoch": min(pos.step_in_epoch * self.global_batch, self.per_epoch * self.global_batch),
@@ -65,11 +119,12 @@ class TrainerCheckpoints:
                         world_size=self.world.size, steps_per_epoch=self.per_epoch,
                         total_steps=self._total_steps()),
             "loss_scaler": self.framework.loss_scaler_state(),
+            "early_stopping": {**self.early_stopping.state(), "stopped": self.stopped_early}
+            if self.early_stopping is not None else None,
         }
-        root = self.spec.checkpoint_dir
         try:
             path = ckpt.save_checkpoint(root, pos.step, {"model": model, "optimizer": optimizer}, manifest,
-                                        keep_last=self.spec.checkpoint.keep_last)
+                                        keep_last=None if best_root else self.spec.checkpoint.keep_last)
         except OSError as exc:  # disk full, file too large, read-only or missing directory
             kept = ckpt.complete_checkpoints(root)
             previous = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint exists"
@@ -78,14 +133,14 @@ class TrainerCheckpoints:
                 f"({exc.strerror or exc}); {previous}; free space or choose another checkpoint.dir, then "
                 "resume with --resume auto") from exc
         self.log.write("checkpoint", step=pos.step, path=str(path))
+        return path
 
     def _resume_target(self) -> str | None:
         """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
         if self.resume:
             return self.resume
         restarts = max(int(os.environ.get(var, "0") or 0) for var in RESTART_COUNT_VARIABLES)
-        checkpointing = self.spec.checkpoint.every_n_steps or self.spec.checkpoint.every_n_epochs
-        return "auto" if restarts > 0 and checkpointing else None
+        return "auto" if restarts > 0 and self.checkpointing else None
 
     def _restore(self) -> Position:
         """Load the checkpoint named by --resume into the model and optimizer; return where to go on."""
@@ -110,6 +165,9 @@ class TrainerCheckpoints:
         same_rng = manifest.get("framework") == self.spec.framework and manifest["world_size"] == self.world.size
         if manifest.get("loss_scaler"):
             self.framework.load_loss_scaler_state(manifest["loss_scaler"])
+        if self.early_stopping is not None and manifest.get("early_stopping"):
+            self.early_stopping.load(manifest["early_stopping"])
+            self.stopped_early = bool(manifest["early_stopping"].get("stopped"))
         if same_rng and len(manifest.get("rng_states", [])) == self.world.size:  # another framework's RNG: skip
             self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
         pos = Position(manifest["global_step"], manifest["epoch"], manifest["step_in_epoch"])

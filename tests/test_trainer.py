@@ -365,9 +365,6 @@ def test_an_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path: Path,
     assert job.fw.calls.micro[0].step == 1 and job.fw.calls.loaded == 0
 
 
-@pytest.mark.xfail(strict=True, reason="resuming a run whose final checkpoint is its last step trains nothing, "
-                                       "evaluates nothing, and rewrites model.json with val_accuracy null and "
-                                       "val_loss NaN (e.g. an elastic restart after training had finished)")
 def test_resuming_a_finished_run_keeps_its_validation_numbers(tmp_path: Path) -> None:
     spec = make_spec(tmp_path, checkpoint={"every_n_epochs": 1})
     first, _ = fit(spec)

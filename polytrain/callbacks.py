@@ -1,0 +1,178 @@
+"""Hooks into a training run: the user's callbacks, early stopping and the best checkpoints.
+
+A callback is any object with some of these methods (a `Callback` subclass has them all, doing
+nothing); the Trainer calls them on every rank, with a `RunInfo` that says which rank this is:
+
+- ``on_train_start(run)`` — the model is built (and restored, on a resume); before the first step
+- ``on_step_end(run, step, logs)`` — after each optimizer step; ``logs`` has ``epoch``, ``lr`` and,
+  when a logging window closes, the window's ``loss`` (the same on every rank)
+- ``on_validation_end(run, epoch, logs)`` — after each evaluation: the epoch record (``train_loss``,
+  ``val_loss``, ``val_<metric>``), reduced across ranks
+- ``on_checkpoint(run, step, path)`` — after a checkpoint was written (``path`` on every rank)
+- ``on_train_end(run, result)`` — after the final model was saved
+
+Early stopping and the choice of the best checkpoints follow Lightning's ``EarlyStopping`` and
+``ModelCheckpoint`` (monitor, mode, patience/min_delta, save_top_k); both are decided from the
+reduced metrics, and the Trainer broadcasts rank 0's decision so every rank acts alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from polytrain.errors import SpecError
+from polytrain.spec import TrainSpec
+from polytrain.user_code import load_callable
+
+HOOKS = ("on_train_start", "on_step_end", "on_validation_end", "on_checkpoint", "on_train_end")
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a callback is told about the run it is in."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    spec: TrainSpec
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def output(self) -> Path:
+        return Path(self.spec.output)
+
+
+class Callback:
+    """A base class with every hook, doing nothing: override the ones you need."""
+
+    def on_train_start(self, run: RunInfo) -> None: ...
+
+    def on_step_end(self, run: RunInfo, step: int, logs: Mapping[str, Any]) -> None: ...
+
+    def on_validation_end(self, run: RunInfo, epoch: int, logs: Mapping[str, Any]) -> None: ...
+
+    def on_checkpoint(self, run: RunInfo, step: int, path: Path) -> None: ...
+
+    def on_train_end(self, run: RunInfo, result: Any) -> None: ...
+
+
+def load_callbacks(paths: Iterable[str]) -> list[Any]:
+    """``package.module:Class`` → instances made with no arguments (one-line errors naming ``callbacks[i]``)."""
+    out = []
+    for i, path in enumerate(paths):
+        where = f"callbacks[{i}]"
+        cls = load_callable(path, where)
+        try:
+            obj = cls()
+        except Exception as exc:  # noqa: BLE001 - the user's constructor
+            raise SpecError(f"{where}: {path}() raised {type(exc).__name__}: {exc}") from exc
+        check_callback(obj, where)
+        out.append(obj)
+    return out
+
+
+def check_callback(obj: Any, where: str) -> None:
+    if not any(callable(getattr(obj, hook, None)) for hook in HOOKS):
+        raise SpecError(f"{where}: {type(obj).__name__} has none of the hooks {', '.join(HOOKS)}")
+
+
+class CallbackList:
+    """Calls one hook on every callback that has it, in order."""
+
+    def __init__(self, callbacks: Iterable[Any], run: RunInfo) -> None:
+        self.callbacks, self.run = list(callbacks), run
+
+    def call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            fn = getattr(callback, hook, None)
+            if callable(fn):
+                fn(self.run, *args)
+
+
+def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` beats ``best`` by more than ``min_delta`` (NaN never improves)."""
+    if math.isnan(value):
+        return False
+    if best is None:
+        return True
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+def check_monitor(field_name: str, monitor: str, logged: Iterable[str]) -> None:
+    logged = sorted(logged)
+    if monitor not in logged:
+        raise SpecError(f"{field_name}: {monitor!r} is not logged by this run (logged: {', '.join(logged)})")
+
+
+class EarlyStopping:
+    """Counts validations without improvement of ``monitor``; ``should_stop`` after ``patience`` of them."""
+
+    def __init__(self, monitor: str, mode: str, patience: int, min_delta: float) -> None:
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
+        self.best: float | None = None
+        self.waited = 0
+
+    def update(self, logs: Mapping[str, Any]) -> bool:
+        """Take one validation's record; returns whether training should stop now."""
+        value = float(logs[self.monitor])
+        if improved(value, self.best, self.mode, self.min_delta):
+            self.best, self.waited = value, 0
+        else:
+            self.waited += 1
+        return self.waited >= self.patience
+
+    def state(self) -> dict[str, Any]:
+        return {"best": self.best, "waited": self.waited}
+
+    def load(self, state: Mapping[str, Any] | None) -> None:
+        if state:
+            self.best, self.waited = state.get("best"), int(state.get("waited", 0))
+
+
+class BestCheckpoints:
+    """The ``save_top_k`` best checkpoints by ``monitor`` under ``root`` (rank 0 writes; ``index.json`` ranks
+    them). The Trainer asks `wants` with the reduced value, writes the checkpoint, then calls `keep`."""
+
+    def __init__(self, root: Path, monitor: str, mode: str, top_k: int) -> None:
+        self.root, self.monitor, self.mode, self.top_k = root, monitor, mode, top_k
+        self.entries: list[dict[str, Any]] = self._read()
+
+    def _read(self) -> list[dict[str, Any]]:
+        try:
+            return list(json.loads((self.root / "index.json").read_text())["best"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
+    def _ranked(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return sorted(entries, key=lambda e: e["value"], reverse=self.mode == "max")
+
+    def wants(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if len(self.entries) < self.top_k:
+            return True
+        return improved(value, self._ranked(self.entries)[-1]["value"], self.mode)
+
+    def keep(self, path: Path, step: int, epoch: int, value: float) -> list[Path]:
+        """Record the new checkpoint, remove those no longer among the best; returns the removed paths."""
+        others = [e for e in self.entries if e["path"] != path.name]
+        ranked = self._ranked([*others, {"path": path.name, "step": step, "epoch": epoch, "value": value}])
+        self.entries, dropped = ranked[:self.top_k], ranked[self.top_k:]
+        index = {"monitor": self.monitor, "mode": self.mode, "best": self.entries}
+        tmp = self.root / "index.json.tmp"
+        tmp.write_text(json.dumps(index, indent=2))
+        tmp.replace(self.root / "index.json")
+        removed = []
+        for entry in dropped:
+            shutil.rmtree(self.root / entry["path"], ignore_errors=True)
+            removed.append(self.root / entry["path"])
+        return removed
