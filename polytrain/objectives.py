@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from polytrain.errors import SpecError
-from polytrain.user_code import is_import_path, load_callable
+from polytrain.user_code import is_import_path, is_live, load_callable
 
 LOSSES = ("cross_entropy", "mse", "bce", "next_token")
 METRICS = ("accuracy", "top5_accuracy", "mse", "mae", "perplexity")
@@ -27,13 +27,15 @@ DEFAULT_METRICS = {"classification": ("accuracy",), "regression": (), "next_toke
 
 def check_names(loss: str | None, metrics: Sequence[str] | None) -> None:
     """Every name is built in or an importable ``package.module:function`` (one-line errors)."""
-    if loss is not None:
+    if loss is not None and not is_live(loss):
         if is_import_path(loss):
             load_callable(loss, "loss")
         elif loss not in LOSSES:
             raise SpecError(f"loss: {loss!r} is not a built-in loss (allowed: {', '.join(LOSSES)}, "
                             "or package.module:function returning one loss per sample)")
     for i, name in enumerate(metrics or ()):
+        if is_live(name):
+            continue
         if is_import_path(name):
             load_callable(name, f"metrics[{i}]")
         elif name not in METRICS:
@@ -64,7 +66,7 @@ def metric_key(name: str) -> str:
 def reduce(totals: Mapping[str, tuple[float, float]], metrics: Sequence[str]) -> tuple[float, dict[str, float]]:
     """(validation loss, {metric: value}) from summed (value, count) pairs; NaN where a count is 0."""
     def mean(pair: tuple[float, float]) -> float:
-        return pair[0] / pair[1] if pair[1] else math.nan
+        return float(pair[0] / pair[1]) if pair[1] else math.nan
 
     loss = mean(totals["loss"])
     values = {}

@@ -8,7 +8,7 @@ gets the Trainer's timeline and activity when it is created, before ``setup``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     from polytrain.timeline import Timeline
     from polytrain.watchdog import Activity, PeerBoard
     from polytrain.world import World
+
+
+@dataclass(frozen=True)
+class UserCode:
+    """Live objects given to `polytrain.fit` that take the place of what the spec names: a framework model
+    (``torch.nn.Module`` / ``keras.Model``), a loss and metrics, each a callable ``(outputs, targets)`` →
+    one value per sample. The spec then names them ``fit:<name>`` (in logs and checkpoints)."""
+
+    model: Any = None
+    loss: Callable[[Any, Any], Any] | None = None
+    metrics: Mapping[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

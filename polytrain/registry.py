@@ -21,7 +21,7 @@ from polytrain.errors import BackendUnavailableError, SpecError
 
 if TYPE_CHECKING:
     from polytrain.data.source import Data
-    from polytrain.protocols import Backend, Framework
+    from polytrain.protocols import Backend, Framework, UserCode
     from polytrain.spec import TrainSpec
     from polytrain.timeline import Timeline
     from polytrain.watchdog import Activity
@@ -117,7 +117,8 @@ SOURCES: tuple[SourceEntry, ...] = (
                 requires=("PIL",), install_hint="pip install 'polytrain[data]'"),
     SourceEntry("token_file", "polytrain.data.token_file:open_token_file", uses=(*_FILES, "dtype", "seq_len", "vocab"),
                 required=("path", "seq_len")),
-    SourceEntry("dataset", "polytrain.data.user:open_user_dataset", uses=("factory", "classes"), required=("factory",)),
+    SourceEntry("dataset", "polytrain.data.user:open_user_dataset", uses=("factory", "features", "label", "classes"),
+                required=("factory",)),
 )
 
 
@@ -235,9 +236,10 @@ def create_backend(spec: TrainSpec, world: World, *, timeline: Timeline | None =
     return _import(entry.target)(spec, world, timeline=timeline or NULL, activity=activity)
 
 
-def create_framework(spec: TrainSpec, world: World, backend: Backend) -> Framework:
+def create_framework(spec: TrainSpec, world: World, backend: Backend, user: UserCode | None = None) -> Framework:
+    """The spec's framework adapter; ``user``: live objects from `polytrain.fit` in place of the spec's names."""
     target, requires, hint = FRAMEWORK_ADAPTERS[spec.framework]
     for module in requires:
         if not installed(module):
             raise BackendUnavailableError(f"framework: {spec.framework!r} needs {module}, not installed ({hint})")
-    return _import(target)(spec, world, backend)
+    return _import(target)(spec, world, backend, **({"user": user} if user is not None else {}))

@@ -13,7 +13,7 @@ from typing import Any
 
 from polytrain.errors import SpecError
 from polytrain.schema import build, rule
-from polytrain.user_code import is_import_path, load_callable
+from polytrain.user_code import is_import_path, is_live, load_callable
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ ZOO: dict[str, type] = {"mlp": MLPParams, "convnet": ConvNetParams, "transformer
 
 def model_params(name: str, params: Mapping[str, Any]) -> Any:
     """Validated parameters of a zoo model (a dataclass), or the raw mapping for a user factory."""
+    if is_live(name):  # a model object given to polytrain.fit
+        return dict(params)
     if is_import_path(name):
         load_factory(name)
         return dict(params)

@@ -17,7 +17,8 @@ over its tokens, summed over samples; evaluation sums and counts per token).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import keras
 import numpy as np
@@ -36,7 +37,7 @@ from polytrain.adapters.tensorflow.models import (
 from polytrain.adapters.tensorflow.objectives import evaluation, loss_fn, metric_fns
 from polytrain.adapters.tensorflow.optimizers import make_optimizer
 from polytrain.errors import SpecError, UserError
-from polytrain.protocols import DatasetInfo
+from polytrain.protocols import DatasetInfo, UserCode
 from polytrain.spec import TrainSpec
 from polytrain.world import World
 
@@ -47,11 +48,23 @@ class StateMismatchError(UserError):
     """A state to load does not have this model's names or shapes."""
 
 
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A SpecError raised while TensorFlow traces a step (a user loss of the wrong shape) comes back with
+    TensorFlow's traceback folded into its text: keep the one line it was raised with."""
+    try:
+        yield
+    except SpecError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise SpecError(lines[-1].removeprefix("SpecError: ") if lines else str(exc)) from None
+
+
 class TensorFlowFramework:
-    def __init__(self, spec: TrainSpec, world: World, backend: TFBackend) -> None:
+    def __init__(self, spec: TrainSpec, world: World, backend: TFBackend, user: UserCode | None = None) -> None:
         self.spec = spec
         self.world = world
         self.backend = backend
+        self.user = user or UserCode()
 
     def build(self, info: DatasetInfo) -> None:
         if info.task not in ("classification", "regression", "next_token"):
@@ -61,12 +74,13 @@ class TensorFlowFramework:
         self.regression = info.task == "regression"
         self.sequence = info.task == "next_token"  # logits (batch, length, vocab)
         self.loss_name = objectives.loss_name(self.spec.loss, info.task)
-        self.loss = loss_fn(self.loss_name)  # one value per sample
-        self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task))
+        self.loss = loss_fn(self.loss_name, self.user.loss)  # one value per sample
+        self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task), self.user.metrics)
         keras.utils.set_random_seed(self.spec.seed)  # a user's factory draws alike on every rank
         with tf.device(self.backend.device):
             self.model, self.entries = build_model(self.spec.model.name, self.spec.model.params, info,
-                                                   seed=self.spec.seed, precision=self.spec.precision)
+                                                   seed=self.spec.seed, precision=self.spec.precision,
+                                                   live=self.user.model)
             self.trainable = list(self.model.trainable_variables)
             self.accumulators = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False, name=f"grad_{i}")
                                  for i, v in enumerate(self.trainable)]
@@ -132,7 +146,7 @@ class TensorFlowFramework:
         return np.asarray(x, self.x_dtype), np.asarray(y, self.y_dtype)
 
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
-        with tf.device(self.backend.device):
+        with tf.device(self.backend.device), _user_errors():
             loss = float(self._micro_fn(*self._inputs(x, y), tf.constant(loss_scale, tf.float32)))
         if sync:
             activity = self.backend.activity
@@ -150,7 +164,7 @@ class TensorFlowFramework:
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
         if not len(x):
             return {name: (0.0, 0.0) for name in ("loss", *self.metric_fns)}
-        with tf.device(self.backend.device):
+        with tf.device(self.backend.device), _user_errors():
             totals = self._eval_fn(*self._inputs(x, y))
         return {name: (float(total), float(count)) for name, (total, count) in totals.items()}
 

@@ -321,15 +321,19 @@ def input_dtype(info: DatasetInfo) -> type[np.generic]:
     return np.int64 if info.task == "next_token" else np.float32
 
 
-def build_model(name: str, params: Any, info: DatasetInfo, *, seed: int,
-                precision: str) -> tuple[keras.Model, list[PortableVariable]]:
+def build_model(name: str, params: Any, info: DatasetInfo, *, seed: int, precision: str,
+                live: Any = None) -> tuple[keras.Model, list[PortableVariable]]:
     """A built Keras model and its variables under their portable names.
 
     Zoo models are PyTorch's twins; ``package.module:factory`` is called as
     ``factory(info, **params)`` and must return a ``keras.Model``.
     """
     dtype = "mixed_bfloat16" if precision == "bf16" else "float32"
-    if is_import_path(name):
+    if live is not None:  # a model given to polytrain.fit (the backend broadcasts rank 0's weights)
+        if not isinstance(live, keras.Model):
+            raise SpecError(f"model: expected a keras.Model for framework 'tensorflow', got {type(live).__name__}")
+        model = live
+    elif is_import_path(name):
         model = _user_model(name, params, info, dtype)
     else:
         validated = model_params(name, params)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import tensorflow as tf
@@ -70,15 +70,22 @@ def _checked(fn: Any, field_name: str, name: str) -> PerSample:
     return per_sample
 
 
-def loss_fn(name: str) -> PerSample:
+def loss_fn(name: str, live: Any = None) -> PerSample:
+    """The loss by name; ``live``: a callable given to `polytrain.fit` (the spec names it ``fit:<name>``)."""
+    if live is not None:
+        return _checked(live, "loss", name)
     return _checked(load_callable(name, "loss"), "loss", name) if is_import_path(name) else LOSSES[name]
 
 
-def metric_fns(names: tuple[str, ...]) -> dict[str, PerSample]:
+def metric_fns(names: tuple[str, ...], live: Mapping[str, Any] | None = None) -> dict[str, PerSample]:
     out = {}
     for i, name in enumerate(objectives.computed(names)):
-        out[name] = _checked(load_callable(name, f"metrics[{i}]"), f"metrics[{i}]", name) \
-            if is_import_path(name) else METRICS[name]
+        if live and name in live:
+            out[name] = _checked(live[name], f"metrics[{i}]", name)
+        elif is_import_path(name):
+            out[name] = _checked(load_callable(name, f"metrics[{i}]"), f"metrics[{i}]", name)
+        else:
+            out[name] = METRICS[name]
     return out
 
 

@@ -14,7 +14,8 @@ from polytrain import objectives
 from polytrain.adapters.torch.backend import TorchBackend
 from polytrain.adapters.torch.models import build_model
 from polytrain.adapters.torch.objectives import evaluation, loss_fn, metric_fns
-from polytrain.protocols import DatasetInfo
+from polytrain.errors import SpecError
+from polytrain.protocols import DatasetInfo, UserCode
 from polytrain.spec import OptimizerSpec, TrainSpec
 from polytrain.world import World
 
@@ -30,6 +31,17 @@ def _build_model(name: str, params: Any, info: DatasetInfo) -> torch.nn.Module:
     return build_model(name, params, info)
 
 
+def _live_model(model: Any, backend: TorchBackend) -> torch.nn.Module:
+    """A model given to `polytrain.fit`: every rank starts from rank 0's weights (scripts seed differently)."""
+    if not isinstance(model, torch.nn.Module):
+        raise SpecError(f"model: expected a torch.nn.Module for framework 'torch', got {type(model).__name__}")
+    if backend.world.size > 1:
+        state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        state = backend.broadcast_object(state if backend.world.rank == 0 else None)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    return model
+
+
 def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The spec's meaning: ``adam`` weight decay is L2 added to the gradient; ``adamw`` is decoupled."""
     if spec.name == "sgd":
@@ -40,22 +52,26 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) ->
 
 
 class TorchFramework:
-    def __init__(self, spec: TrainSpec, world: World, backend: TorchBackend) -> None:
+    def __init__(self, spec: TrainSpec, world: World, backend: TorchBackend, user: UserCode | None = None) -> None:
         self.spec = spec
         self.world = world
         self.backend = backend
+        self.user = user or UserCode()
         self.device = backend.device
 
     def build(self, info: DatasetInfo) -> None:
         self.info = info
         torch.manual_seed(self.spec.seed)  # identical initial weights on every rank
-        model = _build_model(self.spec.model.name, self.spec.model.params, info).to(self.device)
+        if self.user.model is not None:
+            model = _live_model(self.user.model, self.backend).to(self.device)
+        else:
+            model = _build_model(self.spec.model.name, self.spec.model.params, info).to(self.device)
         optimizer = make_optimizer(self.spec.optimizer, model.parameters())
         self.model, self.optimizer = self.backend.wrap(model, optimizer)
         torch.manual_seed(self.spec.seed + self.world.rank)  # per-rank randomness from here on
         self.loss_name = objectives.loss_name(self.spec.loss, info.task)
-        self.loss = loss_fn(self.loss_name)  # one value per sample
-        self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task))
+        self.loss = loss_fn(self.loss_name, self.user.loss)  # one value per sample
+        self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task), self.user.metrics)
         self.autocast_dtype = AUTOCAST_DTYPES.get(self.spec.precision)
         self.scaler = self.backend.grad_scaler()  # fp16: dynamic loss scaling, unless the backend owns it
         self.skipped_steps = 0
