@@ -7,9 +7,9 @@ from a script (see `polytrain.api`).
 from typing import Any
 
 from polytrain.environments import detect_world
+from polytrain.version import __version__
 from polytrain.world import World
 
-__version__ = "0.1.0"
 __all__ = ["World", "detect_world", "fit", "__version__"]
 
 

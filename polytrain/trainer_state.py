@@ -24,6 +24,7 @@ from polytrain.data import Data
 from polytrain.errors import TrainingFailure
 from polytrain.failures import library_versions
 from polytrain.schedule import lr_at
+from polytrain.version import __version__
 
 # Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
 RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
@@ -177,10 +178,8 @@ class TrainerCheckpoints:
         return pos
 
     def _describe(self) -> dict[str, Any]:
-        import polytrain
-
         return {
-            "polytrain": polytrain.__version__, "spec": self.spec.to_dict(), "spec_digest": self.spec.digest(),
+            "polytrain": __version__, "spec": self.spec.to_dict(), "spec_digest": self.spec.digest(),
             "model_digest": self.spec.model_digest(), "framework": self.spec.framework,
             "backend": self.backend.name, "world_size": self.world.size, "versions": library_versions(),
         }

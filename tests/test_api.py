@@ -78,10 +78,9 @@ def test_fit_takes_a_map_style_dataset_and_separate_validation_data(tmp_path: Pa
 
     result = polytrain.fit({**SPEC, "output": str(tmp_path)}, model=small_net(), train_data=Pairs(slice(0, 1500)),
                            val_data=Pairs(slice(1500, None)), show_progress=False)
-    assert result.val_accuracy >= 0.9
-    validation = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-                  if r["event"] == "rendezvous" or r["event"] == "epoch"]
-    assert validation and result.global_step == 4 * 47  # 1500 samples in batches of 32
+    assert result.val_accuracy >= 0.85  # the last 297 digits (other writers than most of the first 1500)
+    epochs = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"]
+    assert len(epochs) == 4 and result.global_step == 4 * 47  # 1500 samples in batches of 32, none held out
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -54,7 +54,7 @@ class Prefetcher:
         x, y = source.read(indices)
         if self.augment is None and self.transform is None:
             return x, y
-        rng = np.random.default_rng([self.seed, *key])
+        rng = np.random.default_rng([self.seed, *key])  # key: (0, epoch, step, micro) or (1, epoch, batch)
         if train and self.augment is not None:
             x, y = self.augment(x, y, rng)
         if self.transform is not None:
@@ -89,7 +89,7 @@ class Prefetcher:
                     if nxt is None:
                         break
                     step, plan = nxt
-                    pending.append((plan, [self._submit(self.read, source, idx, (epoch, step, m), True)
+                    pending.append((plan, [self._submit(self.read, source, idx, (0, epoch, step, m), True)
                                            for m, idx in enumerate(plan.micro_batches)]))
                 if not pending:
                     return
@@ -106,7 +106,7 @@ class Prefetcher:
         pending: collections.deque[Future[Batch] | Batch] = collections.deque()
         try:
             for i, idx in enumerate(index_batches):
-                pending.append(self._submit(self.read, source, idx, (epoch, -1, i), False))
+                pending.append(self._submit(self.read, source, idx, (1, epoch, i), False))
                 if len(pending) >= 2 * self.depth:
                     yield self._result(pending.popleft())
             while pending:

@@ -1,0 +1,3 @@
+"""polytrain's version, in a module of its own so that anything can read it without importing the package."""
+
+__version__ = "0.1.0"
