@@ -11,10 +11,13 @@ of every rank are added up before dividing, never averages of averages. ``perple
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from polytrain.errors import SpecError
 from polytrain.user_code import is_import_path, is_live, load_callable
+
+F = TypeVar("F")
 
 LOSSES = ("cross_entropy", "mse", "bce", "next_token")
 METRICS = ("accuracy", "top5_accuracy", "mse", "mae", "perplexity")
@@ -43,6 +46,28 @@ def check_names(loss: str | None, metrics: Sequence[str] | None) -> None:
                             "or package.module:function returning one value per sample)")
     if metrics is not None and len(set(metrics)) != len(metrics):
         raise SpecError(f"metrics: each metric may appear once, got {list(metrics)}")
+
+
+def resolve_loss(name: str, built_in: Mapping[str, F], checked: Callable[[Any, str, str], F], live: Any = None) -> F:
+    """A framework's per-sample loss by name: ``live`` (a callable given to `polytrain.fit`), a user function
+    by import path (both held to one value per sample by the framework's ``checked``), or a built-in."""
+    if live is not None:
+        return checked(live, "loss", name)
+    return checked(load_callable(name, "loss"), "loss", name) if is_import_path(name) else built_in[name]
+
+
+def resolve_metrics(names: Sequence[str], built_in: Mapping[str, F], checked: Callable[[Any, str, str], F],
+                    live: Mapping[str, Any] | None = None) -> dict[str, F]:
+    """The per-sample metric functions of ``names`` (the derived ones left out), resolved like the loss."""
+    out = {}
+    for i, name in enumerate(computed(names)):
+        if live and name in live:
+            out[name] = checked(live[name], f"metrics[{i}]", name)
+        elif is_import_path(name):
+            out[name] = checked(load_callable(name, f"metrics[{i}]"), f"metrics[{i}]", name)
+        else:
+            out[name] = built_in[name]
+    return out
 
 
 def loss_name(loss: str | None, task: str) -> str:

@@ -10,7 +10,6 @@ import tensorflow as tf
 
 from polytrain import objectives
 from polytrain.errors import SpecError
-from polytrain.user_code import is_import_path, load_callable
 
 PerSample = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
@@ -72,21 +71,11 @@ def _checked(fn: Any, field_name: str, name: str) -> PerSample:
 
 def loss_fn(name: str, live: Any = None) -> PerSample:
     """The loss by name; ``live``: a callable given to `polytrain.fit` (the spec names it ``fit:<name>``)."""
-    if live is not None:
-        return _checked(live, "loss", name)
-    return _checked(load_callable(name, "loss"), "loss", name) if is_import_path(name) else LOSSES[name]
+    return objectives.resolve_loss(name, LOSSES, _checked, live)
 
 
 def metric_fns(names: tuple[str, ...], live: Mapping[str, Any] | None = None) -> dict[str, PerSample]:
-    out = {}
-    for i, name in enumerate(objectives.computed(names)):
-        if live and name in live:
-            out[name] = _checked(live[name], f"metrics[{i}]", name)
-        elif is_import_path(name):
-            out[name] = _checked(load_callable(name, f"metrics[{i}]"), f"metrics[{i}]", name)
-        else:
-            out[name] = METRICS[name]
-    return out
+    return objectives.resolve_metrics(names, METRICS, _checked, live)
 
 
 def evaluation(loss_name: str, loss: PerSample, metrics: dict[str, PerSample], out: tf.Tensor,
