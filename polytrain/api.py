@@ -9,6 +9,8 @@ one-line errors (raised as `polytrain.errors.SpecError`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,8 @@ def fit(spec: str | Path | Mapping[str, Any] | TrainSpec, *, model: Any = None, 
     """Train ``spec`` (a YAML/TOML/JSON path, a dict or a `TrainSpec`) with live objects in place of its names.
 
     ``model``: a ``torch.nn.Module`` (framework torch) or ``keras.Model`` (tensorflow), built the same way
-    on every rank (rank 0's weights are used); ``train_data``/``val_data``: ``(x, y)`` numpy arrays or a
+    on every rank (rank 0's weights are used), or a function with no arguments that builds one — called
+    after the backend is set up, which TensorFlow's multi-worker strategy needs; ``train_data``/``val_data``: ``(x, y)`` numpy arrays or a
     map-style dataset (``__len__``, ``__getitem__`` → ``(x, y)``; a torch ``Dataset`` of tensors and an HF
     ``datasets.Dataset`` work); without ``val_data`` the training data is split by ``data.val_fraction``;
     ``loss``: a built-in name or a callable ``(outputs, targets)`` → one loss per sample; ``metrics``: names
@@ -72,7 +75,8 @@ def fit(spec: str | Path | Mapping[str, Any] | TrainSpec, *, model: Any = None, 
         raise SpecError("val_data: given without train_data; pass both, or neither to use the spec's data")
     user = UserCode()
     if model is not None:
-        raw["model"] = {"name": f"{LIVE_PREFIX}{type(model).__name__}"}
+        built_later = inspect.isfunction(model) or inspect.ismethod(model) or isinstance(model, functools.partial)
+        raw["model"] = {"name": f"{LIVE_PREFIX}{_name(model) if built_later else type(model).__name__}"}
         user = dataclasses.replace(user, model=model)
     if loss is not None:
         if not (isinstance(loss, str) or callable(loss)):

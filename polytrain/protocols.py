@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class UserCode:
     """Live objects given to `polytrain.fit` that take the place of what the spec names: a framework model
-    (``torch.nn.Module`` / ``keras.Model``), a loss and metrics, each a callable ``(outputs, targets)`` →
+    (``torch.nn.Module`` / ``keras.Model``, or a function with no arguments building one), a loss and metrics, each a callable ``(outputs, targets)`` →
     one value per sample. The spec then names them ``fit:<name>`` (in logs and checkpoints)."""
 
     model: Any = None

@@ -330,6 +330,8 @@ def build_model(name: str, params: Any, info: DatasetInfo, *, seed: int, precisi
     """
     dtype = "mixed_bfloat16" if precision == "bf16" else "float32"
     if live is not None:  # a model given to polytrain.fit (the backend broadcasts rank 0's weights)
+        if callable(live) and not isinstance(live, keras.Model):  # a function that builds it, inside the strategy
+            live = live()
         if not isinstance(live, keras.Model):
             raise SpecError(f"model: expected a keras.Model for framework 'tensorflow', got {type(live).__name__}")
         model = live

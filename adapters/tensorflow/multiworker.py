@@ -30,7 +30,7 @@ import tensorflow as tf
 from polytrain.adapters.tensorflow.backend import GraphCollectiveBackend
 from polytrain.environments import ensure_master
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
-from polytrain.mpi_fusion import fusion_threshold
+from polytrain.mpi_transport import fusion_threshold
 from polytrain.world import World
 
 REDUCERS = {"sum": np.sum, "max": np.max, "min": np.min}
@@ -116,8 +116,16 @@ class MultiWorkerBackend(GraphCollectiveBackend):
             resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
                 tf.train.ClusterSpec(config["cluster"]), task_type="worker", task_id=world.rank, rpc_layer="grpc",
                 num_accelerators={"GPU": num_gpus} if num_gpus else None)
-        self.strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
-                                                                  communication_options=options)
+        try:
+            self.strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                                      communication_options=options)
+        except RuntimeError as exc:
+            if "configured at program startup" not in str(exc):
+                raise
+            raise BackendUnavailableError(
+                "backend: 'tf-multiworker' must set up TensorFlow's collectives before anything else runs on "
+                "TensorFlow, and this process already did (e.g. built a keras.Model before polytrain.fit); pass "
+                "polytrain.fit a function that builds the model (model=build_model), or use backend 'mpi'") from None
         self._worker_device = self.strategy.extended.worker_devices[0]
         self._gather_fns: dict[tuple[tuple[int, ...], str], Any] = {}
 

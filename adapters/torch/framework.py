@@ -33,6 +33,8 @@ def _build_model(name: str, params: Any, info: DatasetInfo) -> torch.nn.Module:
 
 def _live_model(model: Any, backend: TorchBackend) -> torch.nn.Module:
     """A model given to `polytrain.fit`: every rank starts from rank 0's weights (scripts seed differently)."""
+    if callable(model) and not isinstance(model, torch.nn.Module):  # a function that builds it
+        model = model()
     if not isinstance(model, torch.nn.Module):
         raise SpecError(f"model: expected a torch.nn.Module for framework 'torch', got {type(model).__name__}")
     if backend.world.size > 1:
