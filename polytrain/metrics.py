@@ -57,7 +57,10 @@ class MetricsLog:
         if event in SCALAR_TAGS:
             self._csv.writerow(record)
             if self._tb is not None:
-                for key, tag in SCALAR_TAGS[event].items():
+                tags = dict(SCALAR_TAGS[event])
+                if event == "epoch":  # every metric the spec asked for: val_<name> -> val/<name>
+                    tags.update({k: f"val/{k.removeprefix('val_')}" for k in fields if k.startswith("val_")})
+                for key, tag in tags.items():
                     value = fields.get(key)
                     if isinstance(value, (int, float)) and value is not None:
                         self._tb.add_scalar(tag, value, global_step=int(fields.get("step", 0)))

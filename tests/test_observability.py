@@ -19,7 +19,8 @@ def test_jsonl_csv_and_tensorboard_agree(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path / "metrics.jsonl")
     for step in (10, 20):
         log.write("step", step=step, epoch=0, loss=1.0 / step, lr=0.1, samples_per_s=100.0 + step)
-    log.write("epoch", epoch=0, step=20, train_loss=0.05, val_loss=0.07, val_accuracy=0.9)
+    log.write("epoch", epoch=0, step=20, train_loss=0.05, val_loss=0.07, val_accuracy=0.9, val_top5_accuracy=0.99,
+              val_f1=0.8)
     log.write("checkpoint", step=20, path="x")
     log.close()
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -35,6 +36,7 @@ def test_jsonl_csv_and_tensorboard_agree(tmp_path: Path) -> None:
             scalars[(value.tag, record.step)] = value.simple_value
     assert scalars[("train/loss", 20)] == pytest.approx(0.05)
     assert scalars[("val/accuracy", 20)] == pytest.approx(0.9)
+    assert scalars[("val/top5_accuracy", 20)] == pytest.approx(0.99) and scalars[("val/f1", 20)] == pytest.approx(0.8)
     assert scalars[("train/samples_per_s", 10)] == pytest.approx(110.0)
 
 
