@@ -19,6 +19,7 @@ class DDPBackend(TorchBackend):
     name = "ddp"
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.ensure_process_group()  # one process (backend: ddp asked for explicitly): DDP still needs a group
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers here, so all ranks start equal.
         ddp = DistributedDataParallel(model, device_ids=device_ids)
