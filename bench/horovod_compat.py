@@ -4,7 +4,7 @@ Run:  python bench/horovod_compat.py [--steps N] [--max-mib M]
 
 It starts itself under ``mpirun -np 2`` once per implementation — real Horovod when it
 imports (on MPI under mpirun, on gloo under ``horovodrun --gloo``); the shim as it runs
-under mpirun (data and metadata records over MPI, see polytrain.horovod.torch.transport),
+under mpirun (data and metadata records over MPI, see polytrain.horovod.torch.mpi),
 the same without its metadata check, and the shim kept on gloo (``HOROVOD_CPU_OPERATIONS=gloo``,
 what it does under torchrun) — and prints:
 

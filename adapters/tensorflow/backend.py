@@ -125,7 +125,7 @@ class GraphCollectiveBackend(TFBackend):
                                    track=COLLECTIVES, op="allreduce", bytes=nbytes)
 
     def _plan(self, grads: list[tf.Variable]) -> list[tuple[Any, int]]:
-        from polytrain.mpi_fusion import fusion_threshold, plan_buckets
+        from polytrain.mpi_transport import fusion_threshold, plan_buckets
 
         # shape-only stand-ins (no memory): plan_buckets reads dtype and nbytes
         shapes = [np.broadcast_to(np.zeros((), g.dtype.as_numpy_dtype), g.shape) for g in grads]

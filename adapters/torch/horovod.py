@@ -48,9 +48,9 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
                 f"({self.world.launcher}) says rank {self.world.rank} of {self.world.size}")
         self._optimizer: Any = None
         if self.impl != "horovod" and self.timeline.enabled:  # the shim records each gradient bucket
-            from polytrain.horovod.torch import basics
+            from polytrain.horovod.torch.runtime import runtime
 
-            basics.runtime().timeline = self.timeline
+            runtime().timeline = self.timeline
 
     def teardown(self) -> None:
         self.hvd.shutdown()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from horovod_torch.hvd_launch import launch
+from hvd_launch import launch
 from procs import BIN, check, free_port, loopback_env, run
 
 from polytrain.checkpoint import read_model

@@ -2,7 +2,8 @@
 
 Also reachable as ``polytrain.horovod.tensorflow.keras``, like Horovod's layout. The
 basics and collectives are ``polytrain.horovod.tensorflow``'s (real Horovod's when it is
-installed); ``DistributedOptimizer`` and the callbacks are polytrain's, for Keras 3.
+installed); ``DistributedOptimizer`` (``polytrain.horovod.tensorflow.optimizer``) and the
+callbacks are polytrain's, for Keras 3.
 """
 
 from __future__ import annotations
@@ -10,42 +11,22 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+import polytrain.horovod.tensorflow as _tf
 from polytrain.horovod.keras import callbacks
-from polytrain.horovod.keras.optimizer import DistributedOptimizer
-from polytrain.horovod.tensorflow import (
-    IMPL,
-    Average,
-    Compression,
-    HorovodUnsupportedError,
-    ProcessSet,
-    Sum,
-    add_process_set,
-    ccl_built,
-    collectives,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from polytrain.horovod.tensorflow import Average, Compression, HorovodUnsupportedError, Sum, collectives
+from polytrain.horovod.tensorflow.optimizer import DistributedOptimizer
+
+# The basics are polytrain.horovod.tensorflow's, whichever implementation runs it.
+IMPL = _tf.IMPL
+init, shutdown, is_initialized = _tf.init, _tf.shutdown, _tf.is_initialized
+size, rank, local_size, local_rank, cross_size, cross_rank, is_homogeneous = (
+    _tf.size, _tf.rank, _tf.local_size, _tf.local_rank, _tf.cross_size, _tf.cross_rank, _tf.is_homogeneous)
+mpi_built, gloo_built, nccl_built, ddl_built, ccl_built, cuda_built, rocm_built = (
+    _tf.mpi_built, _tf.gloo_built, _tf.nccl_built, _tf.ddl_built, _tf.ccl_built, _tf.cuda_built, _tf.rocm_built)
+mpi_enabled, mpi_threads_supported, gloo_enabled = _tf.mpi_enabled, _tf.mpi_threads_supported, _tf.gloo_enabled
+start_timeline, stop_timeline = _tf.start_timeline, _tf.stop_timeline
+ProcessSet, global_process_set, add_process_set, remove_process_set = (
+    _tf.ProcessSet, _tf.global_process_set, _tf.add_process_set, _tf.remove_process_set)
 
 
 def broadcast_global_variables(root_rank):

@@ -16,8 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.horovod.common import Average
-from polytrain.horovod.tensorflow import collectives, functions
-from polytrain.horovod.tensorflow._backend import impl
+from polytrain.horovod.tensorflow import _impl, collectives, functions
 
 
 def _device(device: str):
@@ -100,17 +99,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if initial_lr is None:
             raise ValueError("Parameter `initial_lr` is required")
         self.initial_lr = initial_lr
-        self.start_epoch = start_epoch
-        self.end_epoch = end_epoch
+        self.multiplier = multiplier if callable(multiplier) else lambda epoch: multiplier ** (epoch - start_epoch)
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch  # the epochs [start, end) it adjusts
         self.staircase = staircase
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = None
         self._restore_momentum = None
-        if callable(multiplier):
-            self.multiplier = multiplier
-        else:
-            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
 
     def _autodetect_steps_per_epoch(self) -> int:
         if self.params.get("steps"):
@@ -181,7 +176,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                  verbose=0) -> None:
         def multiplier(epoch):
             epoch += 1.0 / self.steps_per_epoch
-            return 1.0 / impl.size() * (epoch * (impl.size() - 1) / warmup_epochs + 1)
+            return 1.0 / _impl.size() * (epoch * (_impl.size() - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
                          momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
@@ -189,6 +184,6 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and impl.rank() == 0:
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and _impl.rank() == 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{_learning_rate(self.model.optimizer):g}.")

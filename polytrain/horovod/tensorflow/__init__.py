@@ -2,7 +2,8 @@
 
 With real Horovod importable (``POLYTRAIN_HOROVOD_IMPL=auto|horovod``) the basics and raw
 collectives are Horovod's; without it they run on MPI through mpi4py (under mpirun, srun or
-``horovodrun --mpi``), or trivially in a single process. ``DistributedGradientTape``,
+``horovodrun --mpi``), or trivially in a single process (``_impl`` chooses, once, between
+``_real`` and ``_shim``; both export the same names). ``DistributedGradientTape``,
 ``DistributedOptimizer`` and the Keras callbacks are always polytrain's: Horovod 0.28.1's own
 fail on Keras 3 variables. Keras lives in ``polytrain.horovod.tensorflow.keras`` (the same
 module as ``polytrain.horovod.keras``).
@@ -11,10 +12,41 @@ module as ``polytrain.horovod.keras``).
 from __future__ import annotations
 
 from polytrain.horovod.common import Adasum, Average, Max, Min, Product, Sum
-from polytrain.horovod.tensorflow._backend import impl
+from polytrain.horovod.common.errors import HorovodArgumentError, HorovodUnsupportedError
+from polytrain.horovod.tensorflow._impl import (
+    IMPL,
+    ProcessSet,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_rank_op,
+    local_size,
+    local_size_op,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rank_op,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    size_op,
+    start_timeline,
+    stop_timeline,
+)
 from polytrain.horovod.tensorflow.collectives import (
-    HorovodArgumentError,
-    HorovodUnsupportedError,
     allgather,
     allreduce,
     alltoall,
@@ -32,39 +64,6 @@ from polytrain.horovod.tensorflow.compression import Compression
 from polytrain.horovod.tensorflow.functions import allgather_object, broadcast_object, broadcast_variables
 from polytrain.horovod.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 
-IMPL: str = impl.IMPL  # "horovod" or "polytrain"
-
-init = impl.init
-shutdown = impl.shutdown
-is_initialized = impl.is_initialized
-size = impl.size
-rank = impl.rank
-local_size = impl.local_size
-local_rank = impl.local_rank
-cross_size = impl.cross_size
-cross_rank = impl.cross_rank
-is_homogeneous = impl.is_homogeneous
-mpi_threads_supported = impl.mpi_threads_supported
-mpi_enabled = impl.mpi_enabled
-mpi_built = impl.mpi_built
-gloo_enabled = impl.gloo_enabled
-gloo_built = impl.gloo_built
-nccl_built = impl.nccl_built
-ddl_built = impl.ddl_built
-ccl_built = impl.ccl_built
-cuda_built = impl.cuda_built
-rocm_built = impl.rocm_built
-start_timeline = impl.start_timeline
-stop_timeline = impl.stop_timeline
-size_op = impl.size_op
-rank_op = impl.rank_op
-local_size_op = impl.local_size_op
-local_rank_op = impl.local_rank_op
-ProcessSet = impl.ProcessSet
-global_process_set = impl.global_process_set
-add_process_set = impl.add_process_set
-remove_process_set = impl.remove_process_set
-
 
 def broadcast_global_variables(root_rank):
     """TF1 graph mode only in Horovod; TensorFlow 2 code broadcasts the variables it has."""
@@ -76,7 +75,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
-    """Wrap a Keras optimizer so its gradients are averaged (``polytrain.horovod.keras.DistributedOptimizer``).
+    """Wrap a Keras optimizer so its gradients are averaged (`optimizer.DistributedOptimizer`, which
+    ``polytrain.horovod.keras`` exports).
 
     TF1 ``tf.compat.v1.train.Optimizer`` graphs are not supported.
     """
@@ -85,7 +85,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise HorovodUnsupportedError(f"DistributedOptimizer wraps Keras 3 optimizers; got "
                                       f"{type(optimizer).__name__} (TF1 optimizers need legacy Horovod)")
-    from polytrain.horovod.keras import DistributedOptimizer as KerasDistributedOptimizer
+    from polytrain.horovod.tensorflow.optimizer import DistributedOptimizer as KerasDistributedOptimizer
 
     return KerasDistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,

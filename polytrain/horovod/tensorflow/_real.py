@@ -107,3 +107,13 @@ def join() -> tf.Tensor:
 def barrier(process_set=global_process_set) -> None:
     """Horovod's TensorFlow API has no barrier: a summed scalar is one."""
     _ops._allreduce(tf.constant(0, tf.int32), op=common.Sum, process_set=process_set).numpy()
+
+__all__ = [
+    "IMPL", "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
+    "stop_timeline", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "size_op",
+    "rank_op", "local_size_op", "local_rank_op", "allreduce", "grouped_allreduce", "allgather",
+    "grouped_allgather", "broadcast", "grouped_broadcast", "alltoall", "reducescatter", "grouped_reducescatter",
+    "join", "barrier",
+]

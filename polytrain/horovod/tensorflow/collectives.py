@@ -1,7 +1,7 @@
 """Horovod's public TensorFlow collectives: reduce-op handling, compression, ``tf.IndexedSlices``.
 
 Same names, signatures and results as Horovod 0.28.1 ``horovod/tensorflow/__init__.py`` and
-``mpi_ops.py``; the transport underneath is ``_backend.impl`` (real Horovod or polytrain's MPI
+``mpi_ops.py``; the transport underneath is ``_impl`` (real Horovod or polytrain's MPI
 shim). A sparse gradient (``tf.IndexedSlices``) is reduced the way Horovod does it: its values
 and indices are allgathered (divided by the size for ``Average``).
 """
@@ -9,31 +9,29 @@ and indices are allgathered (divided by the size for ``Average``).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import tensorflow as tf
 
-from polytrain.horovod import common
-from polytrain.horovod.common import Adasum, Average, Max, Min, Product, Sum
-from polytrain.horovod.tensorflow._backend import impl
-from polytrain.horovod.tensorflow._errors import HorovodArgumentError, HorovodUnsupportedError
+from polytrain.horovod.common import (
+    REDUCE_OP_NAMES,
+    Adasum,
+    Average,
+    HorovodArgumentError,
+    HorovodUnsupportedError,
+    Max,
+    Min,
+    Product,
+    Sum,
+    resolve_average,
+)
+from polytrain.horovod.tensorflow import _impl
 from polytrain.horovod.tensorflow.compression import Compression
 
-global_process_set = impl.global_process_set
+global_process_set = _impl.global_process_set
 
 
-def handle_average_backwards_compatibility(op, average):
-    """Horovod's rule: ``op`` wins; the deprecated ``average`` maps to Average/Sum; default Average."""
-    if op is not None:
-        if average is not None:
-            raise HorovodArgumentError("allreduce got both op and average; pass only op "
-                                       "(average is deprecated in Horovod)")
-        return op
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average
+#: Horovod's public name for the op/average rule (shared with the torch API).
+handle_average_backwards_compatibility = resolve_average
 
 
 def _check_op(op, allowed=(Average, Sum, Min, Max, Product)) -> None:
@@ -41,7 +39,7 @@ def _check_op(op, allowed=(Average, Sum, Min, Max, Product)) -> None:
         raise HorovodUnsupportedError("op=hvd.Adasum is not supported by polytrain (it needs Horovod's C++ "
                                       "engine); use hvd.Average or hvd.Sum")
     if op not in allowed:
-        names = ", ".join(f"hvd.{common.REDUCE_OP_NAMES[a]}" for a in allowed)
+        names = ", ".join(f"hvd.{REDUCE_OP_NAMES[a]}" for a in allowed)
         raise HorovodArgumentError(f"op={op!r} is not allowed here; use one of {names}")
 
 
@@ -64,8 +62,8 @@ def _sparse_allreduce(values: list[tf.IndexedSlices], op, prescale_factor, posts
         raise HorovodUnsupportedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
     n = _set_size(process_set)
     with _on(device_sparse):  # two grouped allgathers: Horovod's grouped ops need one dtype
-        gathered_values = impl.grouped_allgather([s.values for s in values], process_set=process_set)
-        gathered_indices = impl.grouped_allgather([s.indices for s in values], process_set=process_set)
+        gathered_values = _impl.grouped_allgather([s.values for s in values], process_set=process_set)
+        gathered_indices = _impl.grouped_allgather([s.indices for s in values], process_set=process_set)
     out = []
     for s, vals, idx in zip(values, gathered_values, gathered_indices):
         vals = vals / tf.cast(n, vals.dtype) if op == Average else vals
@@ -80,8 +78,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 
     For a ``tf.IndexedSlices`` the values and indices are allgathered instead (Sum/Average only).
     """
-    op = handle_average_backwards_compatibility(op, average)
-    if op == Adasum and impl.IMPL == "horovod":
+    op = resolve_average(op, average)
+    if op == Adasum and _impl.IMPL == "horovod":
         import horovod.tensorflow as real
 
         return real.allreduce(tensor, device_dense=device_dense, device_sparse=device_sparse,
@@ -92,7 +90,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         return _sparse_allreduce([tensor], op, prescale_factor, postscale_factor, device_sparse, process_set)[0]
     with _on(device_dense):
         compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-        reduced = impl.allreduce(compressed, op=op, prescale_factor=prescale_factor,
+        reduced = _impl.allreduce(compressed, op=op, prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor, name=name, process_set=process_set,
                                  ignore_name_scope=ignore_name_scope)
         return compression.decompress(reduced, ctx)
@@ -104,7 +102,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     """Reduce a list of tensors (and ``tf.IndexedSlices``) together; a list in the same order."""
     if not tensors:
         return tensors
-    op = handle_average_backwards_compatibility(op, average)
+    op = resolve_average(op, average)
     _check_op(op)
     out: list = [None] * len(tensors)
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
@@ -117,7 +115,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     if dense:
         with _on(device_dense):
             packed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
-            reduced = impl.grouped_allreduce([p[0] for p in packed], op=op, prescale_factor=prescale_factor,
+            reduced = _impl.grouped_allreduce([p[0] for p in packed], op=op, prescale_factor=prescale_factor,
                                              postscale_factor=postscale_factor, name=name,
                                              process_set=process_set, ignore_name_scope=ignore_name_scope)
             for i, r, (_, ctx) in zip(dense, reduced, packed):
@@ -127,23 +125,23 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenate every process's ``tensor`` along the first dimension (which may differ per process)."""
-    return impl.allgather(tensor, name=name, process_set=process_set, ignore_name_scope=ignore_name_scope)
+    return _impl.allgather(tensor, name=name, process_set=process_set, ignore_name_scope=ignore_name_scope)
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
-    return impl.grouped_allgather(tensors, name=name, process_set=process_set,
+    return _impl.grouped_allgather(tensors, name=name, process_set=process_set,
                                   ignore_name_scope=ignore_name_scope)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """``root_rank``'s value of ``tensor`` on every process."""
-    return impl.broadcast(tensor, root_rank, name=name, process_set=process_set,
+    return _impl.broadcast(tensor, root_rank, name=name, process_set=process_set,
                           ignore_name_scope=ignore_name_scope)
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Assign ``root_rank``'s values to ``variables`` in place; the values as tensors."""
-    values = impl.grouped_broadcast(list(variables), root_rank, process_set=process_set)
+    values = _impl.grouped_broadcast(list(variables), root_rank, process_set=process_set)
     for var, value in zip(variables, values):
         var.assign(value)
     return values
@@ -152,7 +150,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Send ``splits[r]`` rows to rank r (equal parts without ``splits``); with ``splits`` also the
     received splits, as Horovod returns."""
-    out, received = impl.alltoall(tensor, splits=splits, name=name, process_set=process_set,
+    out, received = _impl.alltoall(tensor, splits=splits, name=name, process_set=process_set,
                                   ignore_name_scope=ignore_name_scope)
     return (out, received) if splits is not None else out
 
@@ -164,7 +162,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     _check_op(op, (Average, Sum))
     with _on(device_dense):
         compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-        reduced = impl.reducescatter(compressed, op=op, name=name, process_set=process_set,
+        reduced = _impl.reducescatter(compressed, op=op, name=name, process_set=process_set,
                                      ignore_name_scope=ignore_name_scope, prescale_factor=prescale_factor,
                                      postscale_factor=postscale_factor)
         return compression.decompress(reduced, ctx)
@@ -177,7 +175,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     _check_op(op, (Average, Sum))
     with _on(device_dense):
         packed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-        reduced = impl.grouped_reducescatter([p[0] for p in packed], op=op, process_set=process_set,
+        reduced = _impl.grouped_reducescatter([p[0] for p in packed], op=op, process_set=process_set,
                                              prescale_factor=prescale_factor, postscale_factor=postscale_factor)
         return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
 
@@ -187,9 +185,9 @@ def join():
 
     Returns the last rank that joined (a scalar int32 tensor).
     """
-    return impl.join()
+    return _impl.join()
 
 
 def barrier(process_set=global_process_set) -> None:
     """Wait until every process arrives (Horovod's TensorFlow API lacks it; its PyTorch API has it)."""
-    impl.barrier(process_set=process_set)
+    _impl.barrier(process_set=process_set)

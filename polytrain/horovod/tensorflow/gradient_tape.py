@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from polytrain.horovod.common import Average
-from polytrain.horovod.tensorflow._backend import impl
-from polytrain.horovod.tensorflow.collectives import HorovodArgumentError, _check_op, grouped_allreduce
+from polytrain.horovod.common import Average, HorovodArgumentError
+from polytrain.horovod.tensorflow import _impl
+from polytrain.horovod.tensorflow.collectives import _check_op, grouped_allreduce
 from polytrain.horovod.tensorflow.compression import Compression
 
-global_process_set = impl.global_process_set
+global_process_set = _impl.global_process_set
 
 
 def _split_list(items: list, n: int) -> list[list]:

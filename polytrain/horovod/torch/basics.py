@@ -16,28 +16,28 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from polytrain.horovod.common import (
-    NOT_INITIALIZED,
-    HorovodSettings,
-    Topology,
-    topology_from_records,
-    topology_from_world,
-)
+from polytrain.environments import detect_world, ensure_master
+from polytrain.horovod.common import HorovodSettings, Topology, topology_from_records, topology_from_world
+from polytrain.horovod.torch import process_sets as ps_module
+from polytrain.horovod.torch.mpi import open_engine
+from polytrain.horovod.torch.runtime import Runtime, runtime
+from polytrain.horovod.torch.runtime import basics as _basics
+from polytrain.mpi_transport import mpi_installed
+from polytrain.net import free_port, keep_gloo_on_loopback, route_address
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
 from polytrain.world import World
-from polytrain.environments import detect_world, ensure_master
-from polytrain.net import free_port, keep_gloo_on_loopback, route_address
 
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed (Horovod's name, so ``except hvd.HorovodInternalError`` keeps working)."""
+is_initialized, size, rank, local_size = _basics.is_initialized, _basics.size, _basics.rank, _basics.local_size
+local_rank, cross_size, cross_rank, is_homogeneous = (_basics.local_rank, _basics.cross_size, _basics.cross_rank,
+                                                      _basics.is_homogeneous)
+#: whether the shim can use MPI at all (mpi4py is importable)
+mpi_built = mpi_installed
 
 
 def select_backend(cuda_available: bool, nccl_available: bool) -> str:
@@ -50,40 +50,7 @@ def select_backend(cuda_available: bool, nccl_available: bool) -> str:
     return "gloo"
 
 
-@dataclass
-class Runtime:
-    """Everything ``hvd.init()`` sets up; one per process."""
-
-    world: World
-    topology: Topology
-    settings: HorovodSettings
-    store: Any  # torch.distributed.Store
-    backend: str
-    owns_group: bool
-    handles: dict[int, Any] = field(default_factory=dict)
-    next_handle: int = 0
-    #: collectives submitted per process-set id (the stall report compares these across ranks)
-    submitted: dict[int, int] = field(default_factory=dict)
-    process_sets: dict[int, Any] = field(default_factory=dict)
-    next_process_set_id: int = 1
-    #: a collective was abandoned (stall shutdown, mismatch): exit without joining gloo's threads
-    broken: bool = False
-    #: where each op is recorded (HOROVOD_TIMELINE / start_timeline, or a Trainer's timeline)
-    timeline: Any = NULL
-    timeline_file: str | None = None
-    #: the MPI engine carrying CPU collectives under an MPI launcher (`transport`), or None
-    mpi: Any = None
-
-
-_runtime: Runtime | None = None
 _init_count = 0
-
-
-def runtime() -> Runtime:
-    """The live Runtime; Horovod's ValueError when ``hvd.init()`` has not run."""
-    if _runtime is None:
-        raise ValueError(NOT_INITIALIZED)
-    return _runtime
 
 
 # ----------------------------------------------------------------------------- rendezvous
@@ -134,8 +101,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     of the launch takes part) or an mpi4py communicator spanning the launch.
     ``process_sets`` is a list of `ProcessSet` objects to register now, or ``"dynamic"``.
     """
-    global _runtime, _init_count
-    if _runtime is not None:
+    global _init_count
+    if _basics.current is not None:
         return
     env = dict(os.environ)
     settings = HorovodSettings.from_env(env)
@@ -167,13 +134,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     else:
         gathered = records
     topology = topology_from_records(gathered.view(-1, 3).tolist(), world.rank)
-    from polytrain.horovod.torch.transport import open_engine
-
-    _runtime = Runtime(world=world, topology=topology, settings=settings, store=dist.PrefixStore("hvd", store),
-                       backend=backend, owns_group=owns_group, mpi=open_engine(env, world.size))
-    from polytrain.horovod.torch import process_sets as ps_module
-
-    ps_module.setup_global(_runtime)
+    state = _basics.current = Runtime(world=world, topology=topology, settings=settings,
+                                      store=dist.PrefixStore("hvd", store), backend=backend, owns_group=owns_group,
+                                      mpi=open_engine(env, world.size))
+    ps_module.setup_global(state)
     if settings.timeline:
         start_timeline(settings.timeline)
     if process_sets is not None and not isinstance(process_sets, str):
@@ -197,15 +161,12 @@ def _check_comm(comm: Any, world: World) -> None:
 
 def shutdown() -> None:
     """Stop the shim and its process group (Horovod's ``hvd.shutdown``)."""
-    global _runtime
-    state, _runtime = _runtime, None
+    state, _basics.current = _basics.current, None
     if state is None:
         return
     state.handles.clear()
     if state.timeline_file and not state.broken:
         _write_timeline(state)
-    from polytrain.horovod.torch import process_sets as ps_module
-
     ps_module.reset(state)
     if state.mpi is not None and not state.broken:
         state.mpi.close()
@@ -232,51 +193,14 @@ def _release_process_group() -> None:
 @atexit.register
 def _exit_cleanly() -> None:
     """Skip the process group's destructor when a collective was abandoned: it would wait forever."""
-    if _runtime is not None and _runtime.broken:
+    if _basics.current is not None and _basics.current.broken:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     shutdown()
 
 
-def mark_broken() -> None:
-    if _runtime is not None:
-        _runtime.broken = True
-
-
 # ----------------------------------------------------------------------------- queries
-
-def is_initialized() -> bool:
-    return _runtime is not None
-
-
-def size() -> int:
-    return runtime().topology.size
-
-
-def rank() -> int:
-    return runtime().topology.rank
-
-
-def local_size() -> int:
-    return runtime().topology.local_size
-
-
-def local_rank() -> int:
-    return runtime().topology.local_rank
-
-
-def cross_size() -> int:
-    return runtime().topology.cross_size
-
-
-def cross_rank() -> int:
-    return runtime().topology.cross_rank
-
-
-def is_homogeneous() -> bool:
-    return runtime().topology.is_homogeneous
-
 
 def topology_estimate(world: World | None = None) -> Topology:
     """The topology the launcher describes, before any process exchange (for tools and tests)."""
@@ -291,15 +215,8 @@ def mpi_threads_supported() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """Whether this job's CPU collectives run on MPI (see `transport`)."""
+    """Whether this job's CPU collectives run on MPI (see `mpi`)."""
     return is_initialized() and runtime().mpi is not None
-
-
-def mpi_built() -> bool:
-    """Whether the shim can use MPI at all (mpi4py is importable)."""
-    import importlib.util
-
-    return importlib.util.find_spec("mpi4py") is not None
 
 
 def gloo_enabled() -> bool:
@@ -376,3 +293,10 @@ def _write_timeline(state: Runtime) -> None:
                                                      "world_size": state.world.size})
     except RuntimeError as exc:  # the store went away with rank 0
         print(f"[polytrain.horovod] timeline not written: {str(exc).splitlines()[0]}", file=sys.stderr)
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
+    "is_homogeneous", "start_timeline", "stop_timeline", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+]

@@ -2,7 +2,7 @@
 
 Each op first exchanges a small metadata record with the other ranks (see `stall`; this
 blocks until every rank has submitted the op), then launches the data's collective
-asynchronously — on torch.distributed, or on MPI under an MPI launcher (see `transport`) —
+asynchronously — on torch.distributed, or on MPI under an MPI launcher (see `transport`, `mpi`) —
 and returns; the data moves in the background. ``synchronize`` waits (monitored for
 stalls) and returns the output. Ops must be submitted in the same order
 on every rank — Horovod matches them by name instead; here a different order is reported
@@ -11,7 +11,6 @@ as a mismatch on every rank rather than reordered.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.horovod.common import Adasum, Average, Sum, reduce_op_name
-from polytrain.horovod.torch import basics, stall, transport
+from polytrain.horovod.common import Adasum, Average, Sum, reduce_op_name, resolve_average, split_rows
+from polytrain.horovod.torch import stall, transport
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
+from polytrain.horovod.torch.runtime import runtime
 from polytrain.timeline import COLLECTIVES
 
 
@@ -45,7 +45,7 @@ class Pending:
     def result(self) -> Any:
         for work in self.works:
             stall.wait(work, self.label, self.process_set_id, self.seq, self.group)
-        timeline = basics.runtime().timeline
+        timeline = runtime().timeline
         if timeline.enabled:
             timeline.complete(self.label, "collective", self.started, timeline.now(), track=COLLECTIVES,
                               op=self.kind, bytes=self.nbytes, process_set=self.process_set_id)
@@ -53,7 +53,7 @@ class Pending:
 
 
 def submit(pending: Pending) -> int:
-    state = basics.runtime()
+    state = runtime()
     handle = state.next_handle
     state.next_handle += 1
     state.handles[handle] = pending
@@ -62,7 +62,7 @@ def submit(pending: Pending) -> int:
 
 def poll(handle: int) -> bool:
     """True when the op behind ``handle`` has completed (``synchronize`` will not block)."""
-    pending = basics.runtime().handles.get(handle)
+    pending = runtime().handles.get(handle)
     if pending is None:
         raise ValueError(f"handle {handle} is not a pending Horovod operation")
     return pending.done()
@@ -70,23 +70,15 @@ def poll(handle: int) -> bool:
 
 def synchronize(handle: int) -> Any:
     """Wait for the op behind ``handle`` and return its output (None for an unknown handle)."""
-    pending = basics.runtime().handles.pop(handle, None)
+    pending = runtime().handles.pop(handle, None)
     if pending is None:
         return None
     return pending.result()
 
 
 def resolve_op(op: int | None, average: bool | None) -> int:
-    """Horovod's handling of the deprecated ``average`` argument; default Average."""
-    if op is not None:
-        if average is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    elif average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
-                      DeprecationWarning, stacklevel=3)
-        op = Average if average else Sum
-    else:
-        op = Average
+    """Horovod's op/average rule (`polytrain.horovod.common.resolve_average`), refusing Adasum."""
+    op = resolve_average(op, average)
     if op == Adasum:
         raise ValueError("op=hvd.Adasum is not supported by polytrain's Horovod shim; use hvd.Average or "
                          "hvd.Sum, or run real Horovod (POLYTRAIN_HOROVOD_IMPL=horovod)")
@@ -118,11 +110,11 @@ def announce(kind: int, name: str | None, tensors: Sequence[torch.Tensor], proce
     seq = stall.next_seq(set_id)
     label = name or f"{stall.KIND_NAMES[kind]}.noname.{seq}"
     pending = Pending(label=label, process_set_id=set_id, seq=seq, group=group)
-    timeline = basics.runtime().timeline
+    timeline = runtime().timeline
     if timeline.enabled:
         pending.kind, pending.started = stall.KIND_NAMES[kind], timeline.now()
         pending.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    checking = basics.runtime().settings.metadata_check
+    checking = runtime().settings.metadata_check
     if not needed and not checking:
         return pending, None
     record = stall.make_record(kind, name, tensors, extra=extra, uneven=uneven)
@@ -252,7 +244,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                             process_set: ProcessSet = global_process_set) -> int:
     """Start allgathers of several tensors; ``synchronize`` returns a list."""
     handles = [allgather_async(t, f"{name}.{i}" if name else None, process_set) for i, t in enumerate(tensors)]
-    state = basics.runtime()
+    state = runtime()
     parts = [state.handles.pop(h) for h in handles]
     first = parts[0] if parts else None
     pending = Pending(label=name or "grouped_allgather", process_set_id=process_set.process_set_id,
@@ -327,11 +319,6 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
 
 # ----------------------------------------------------------------------------- reducescatter
 
-def reducescatter_rows(rows: int, size: int) -> list[int]:
-    """Horovod's split of dim 0: the first ``rows % size`` ranks get one extra row."""
-    return [rows // size + (1 if i < rows % size else 0) for i in range(size)]
-
-
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
@@ -343,7 +330,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     pending, _ = announce(stall.REDUCESCATTER, name, [tensor], process_set, extra=op)
     _, size, me = resolve(process_set)
-    counts = reducescatter_rows(tensor.shape[0], size)
+    counts = split_rows(tensor.shape[0], size)
     most = counts[0]
     tail = tuple(tensor.shape[1:])
     if most * size == tensor.shape[0]:
@@ -369,7 +356,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """Start reducescatters of several tensors; ``synchronize`` returns a list."""
     handles = [reducescatter_async(t, f"{name}.{i}" if name else None, op, process_set, prescale_factor,
                                    postscale_factor) for i, t in enumerate(tensors)]
-    state = basics.runtime()
+    state = runtime()
     parts = [state.handles.pop(h) for h in handles]
     pending = Pending(label=name or "grouped_reducescatter", process_set_id=process_set.process_set_id,
                       seq=parts[0].seq if parts else 0, group=parts[0].group if parts else None)
@@ -382,9 +369,16 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every process of ``process_set`` reaches the barrier."""
-    if basics.runtime().settings.metadata_check:
+    if runtime().settings.metadata_check:
         announce(stall.BARRIER, None, [], process_set, needed=True)
         return
     group, _, _ = resolve(process_set)
     seq = stall.next_seq(process_set.process_set_id)
     stall.wait(dist.barrier(group=group, async_op=True), "barrier", process_set.process_set_id, seq, group)
+
+
+__all__ = [
+    "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather_async",
+    "grouped_allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async", "reducescatter_async",
+    "grouped_reducescatter_async", "barrier", "poll", "synchronize",
+]

@@ -8,7 +8,8 @@ re-initialised group. The shim also survives restarts of the whole job driven by
 the key made from torchrun's run id and master port), and a restarted job's ``run``
 restores from it before syncing every rank from rank 0. A first start ignores the file.
 Scaling the number of workers without a restart (horovodrun's host discovery) is not
-supported by the shim.
+supported by the shim. This is the shim's module: with real Horovod, ``hvd.elastic`` is
+``horovod.torch.elastic``.
 """
 
 from __future__ import annotations
@@ -24,223 +25,226 @@ from typing import Any
 
 import torch
 
-from polytrain.horovod.common import use_real_horovod
+from polytrain.horovod.common import HorovodInternalError
+from polytrain.horovod.torch import basics
+from polytrain.horovod.torch.collectives import barrier
+from polytrain.horovod.torch.functions import (
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
 
-if use_real_horovod("torch"):
-    from horovod.common.elastic import ObjectState  # noqa: F401
-    from horovod.torch.elastic import ElasticSampler, TorchState, run  # noqa: F401
-else:
-    from polytrain.horovod.torch import basics
-    from polytrain.horovod.torch.collectives import barrier
-    from polytrain.horovod.torch.functions import (
-        broadcast_object,
-        broadcast_optimizer_state,
-        broadcast_parameters,
-    )
+STATE_DIR_VARIABLE = "POLYTRAIN_HOROVOD_ELASTIC_DIR"
 
-    STATE_DIR_VARIABLE = "POLYTRAIN_HOROVOD_ELASTIC_DIR"
 
-    def state_dir(env: dict[str, str] | None = None) -> Path:
-        """Where commits persist: ``$POLYTRAIN_HOROVOD_ELASTIC_DIR`` or a per-job directory in /tmp."""
-        env = dict(os.environ) if env is None else env
-        if env.get(STATE_DIR_VARIABLE):
-            return Path(env[STATE_DIR_VARIABLE])
-        run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-        key = "-".join(v for v in (run_id, env.get("MASTER_PORT", "")) if v and v != "none") or "default"
-        return Path("/tmp") / f"polytrain-elastic-{key}"
+def state_dir(env: dict[str, str] | None = None) -> Path:
+    """Where commits persist: ``$POLYTRAIN_HOROVOD_ELASTIC_DIR`` or a per-job directory in /tmp."""
+    env = dict(os.environ) if env is None else env
+    if env.get(STATE_DIR_VARIABLE):
+        return Path(env[STATE_DIR_VARIABLE])
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    key = "-".join(v for v in (run_id, env.get("MASTER_PORT", "")) if v and v != "none") or "default"
+    return Path("/tmp") / f"polytrain-elastic-{key}"
 
-    def is_restart(env: dict[str, str] | None = None) -> bool:
-        env = dict(os.environ) if env is None else env
-        return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
-    class ObjectState:
-        """Plain Python attributes kept in step across ranks and restored on failure."""
+def is_restart(env: dict[str, str] | None = None) -> bool:
+    env = dict(os.environ) if env is None else env
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
-        def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
-                     get_rank: Callable[[], int] = basics.rank, **kwargs: Any):
-            self._bcast_object = bcast_object
-            self._rank = get_rank
-            self._saved_state = kwargs
-            self._reset_callbacks: list[Callable[[], None]] = []
+
+class ObjectState:
+    """Plain Python attributes kept in step across ranks and restored on failure."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
+                 get_rank: Callable[[], int] = basics.rank, **kwargs: Any):
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._saved_state = kwargs
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self._set_attrs()
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the current values as the point to roll back (and restart) to.
+
+        Ends with a collective, as Horovod's does: no rank leaves a commit before rank 0
+        has written it, so a job restarted after any rank's failure resumes from it.
+        """
+        self.save()
+        self.persist()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """A sync point; Horovod also raises HostsUpdatedInterrupt here, but the shim's world
+        changes only by a restart."""
+        barrier()
+
+    def save(self) -> None:
+        self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()
 
-        def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
-            self._reset_callbacks.extend(callbacks)
+    def reset(self) -> None:
+        pass
 
-        def on_reset(self) -> None:
-            self.reset()
-            for callback in self._reset_callbacks:
-                callback()
+    def _set_attrs(self) -> None:
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, value)
 
-        def commit(self) -> None:
-            """Save the current values as the point to roll back (and restart) to.
+    # persistence across job restarts
+    def snapshot(self) -> dict[str, Any]:
+        return {"objects": self._saved_state}
 
-            Ends with a collective, as Horovod's does: no rank leaves a commit before rank 0
-            has written it, so a job restarted after any rank's failure resumes from it.
-            """
-            self.save()
-            self.persist()
-            self.check_host_updates()
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        self._saved_state = snapshot["objects"]
+        self._set_attrs()
 
-        def check_host_updates(self) -> None:
-            """A sync point; Horovod also raises HostsUpdatedInterrupt here, but the shim's world
-            changes only by a restart."""
-            barrier()
+    def persist(self) -> None:
+        if self._rank() != 0:
+            return
+        directory = state_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f"state.pt.{os.getpid()}.tmp"
+        torch.save(self.snapshot(), partial)
+        os.replace(partial, directory / "state.pt")
 
-        def save(self) -> None:
-            self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
+    def load_persisted(self) -> bool:
+        path = state_dir() / "state.pt"
+        if self._rank() != 0 or not is_restart() or not path.exists():
+            return False
+        self.load_snapshot(torch.load(path, weights_only=False))
+        return True
 
-        def restore(self) -> None:
-            self._set_attrs()
 
-        def sync(self) -> None:
-            if self._saved_state:
-                self._saved_state = self._bcast_object(self._saved_state)
-                self._set_attrs()
+class TorchState(ObjectState):
+    """Model, optimizer, ElasticSampler and plain values of a PyTorch training process."""
 
-        def reset(self) -> None:
-            pass
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 **kwargs: Any):
+        kwargs.update(model=model, optimizer=optimizer)
+        handled = {k: v for k, v in kwargs.items() if _handles(v)}
+        object.__setattr__(self, "_handled", handled)
+        object.__setattr__(self, "_saved_handled", {k: copy.deepcopy(v.state_dict()) for k, v in handled.items()})
+        for name, value in handled.items():
+            object.__setattr__(self, name, value)
+        super().__init__(bcast_object=broadcast_object, get_rank=basics.rank,
+                         **{k: v for k, v in kwargs.items() if k not in handled})
 
-        def _set_attrs(self) -> None:
-            for attr, value in self._saved_state.items():
-                setattr(self, attr, value)
+    def __setattr__(self, name: str, value: Any) -> None:
+        handled = self.__dict__.get("_handled", {})
+        if name in handled:
+            handled[name] = value
+            self._saved_handled[name] = copy.deepcopy(value.state_dict())
+        super().__setattr__(name, value)
 
-        # persistence across job restarts
-        def snapshot(self) -> dict[str, Any]:
-            return {"objects": self._saved_state}
+    def save(self) -> None:
+        self._saved_handled = {k: copy.deepcopy(v.state_dict()) for k, v in self._handled.items()}
+        super().save()
 
-        def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-            self._saved_state = snapshot["objects"]
-            self._set_attrs()
+    def restore(self) -> None:
+        for name, value in self._handled.items():
+            value.load_state_dict(self._saved_handled[name])
+        super().restore()
 
-        def persist(self) -> None:
-            if self._rank() != 0:
-                return
-            directory = state_dir()
-            directory.mkdir(parents=True, exist_ok=True)
-            partial = directory / f"state.pt.{os.getpid()}.tmp"
-            torch.save(self.snapshot(), partial)
-            os.replace(partial, directory / "state.pt")
+    def sync(self) -> None:
+        for value in self._handled.values():
+            if isinstance(value, torch.nn.Module):
+                broadcast_parameters(value.state_dict(), root_rank=0)
+            elif isinstance(value, torch.optim.Optimizer):
+                broadcast_optimizer_state(value, root_rank=0)
+            else:
+                value.load_state_dict(broadcast_object(value.state_dict()))
+        super().sync()
 
-        def load_persisted(self) -> bool:
-            path = state_dir() / "state.pt"
-            if self._rank() != 0 or not is_restart() or not path.exists():
-                return False
-            self.load_snapshot(torch.load(path, weights_only=False))
-            return True
+    def snapshot(self) -> dict[str, Any]:
+        return {**super().snapshot(), "handled": self._saved_handled}
 
-    class TorchState(ObjectState):
-        """Model, optimizer, ElasticSampler and plain values of a PyTorch training process."""
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        super().load_snapshot(snapshot)
+        self._saved_handled = snapshot["handled"]
+        for name, value in self._handled.items():
+            value.load_state_dict(self._saved_handled[name])
 
-        def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                     **kwargs: Any):
-            kwargs.update(model=model, optimizer=optimizer)
-            handled = {k: v for k, v in kwargs.items() if _handles(v)}
-            object.__setattr__(self, "_handled", handled)
-            object.__setattr__(self, "_saved_handled", {k: copy.deepcopy(v.state_dict()) for k, v in handled.items()})
-            for name, value in handled.items():
-                object.__setattr__(self, name, value)
-            super().__init__(bcast_object=broadcast_object, get_rank=basics.rank,
-                             **{k: v for k, v in kwargs.items() if k not in handled})
 
-        def __setattr__(self, name: str, value: Any) -> None:
-            handled = self.__dict__.get("_handled", {})
-            if name in handled:
-                handled[name] = value
-                self._saved_handled[name] = copy.deepcopy(value.state_dict())
-            super().__setattr__(name, value)
+class ElasticSampler(torch.utils.data.Sampler):
+    """Partitions a dataset across ranks; remembers how far an epoch got (``record_batch``)."""
 
-        def save(self) -> None:
-            self._saved_handled = {k: copy.deepcopy(v.state_dict()) for k, v in self._handled.items()}
-            super().save()
+    def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0):
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.epoch = 0
+        self.processed_num = 0
+        self.reset()
 
-        def restore(self) -> None:
-            for name, value in self._handled.items():
-                value.load_state_dict(self._saved_handled[name])
-            super().restore()
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` (call at the end of an epoch: it forgets processed samples)."""
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
 
-        def sync(self) -> None:
-            for value in self._handled.values():
-                if isinstance(value, torch.nn.Module):
-                    broadcast_parameters(value.state_dict(), root_rank=0)
-                elif isinstance(value, torch.optim.Optimizer):
-                    broadcast_optimizer_state(value, root_rank=0)
-                else:
-                    value.load_state_dict(broadcast_object(value.state_dict()))
-            super().sync()
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        self.processed_num += batch_size * self.num_replicas
 
-        def snapshot(self) -> dict[str, Any]:
-            return {**super().snapshot(), "handled": self._saved_handled}
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
 
-        def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-            super().load_snapshot(snapshot)
-            self._saved_handled = snapshot["handled"]
-            for name, value in self._handled.items():
-                value.load_state_dict(self._saved_handled[name])
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.epoch = state_dict["epoch"]
+        self.processed_num = state_dict["processed_num"]
+        self.reset()
 
-    class ElasticSampler(torch.utils.data.Sampler):
-        """Partitions a dataset across ranks; remembers how far an epoch got (``record_batch``)."""
+    def reset(self) -> None:
+        self.num_replicas = basics.size()
+        self.rank = basics.rank()
+        indices = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(indices)
+        self.remaining_indices = indices[self.processed_num:]
+        self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
 
-        def __init__(self, dataset: Any, shuffle: bool = True, seed: int = 0):
-            self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
-            self.epoch = 0
-            self.processed_num = 0
-            self.reset()
+    def __iter__(self) -> Any:
+        indices = self.remaining_indices[:]
+        indices += indices[:self.total_size - len(indices)]
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
 
-        def set_epoch(self, epoch: int) -> None:
-            """Start ``epoch`` (call at the end of an epoch: it forgets processed samples)."""
-            self.epoch = epoch
-            self.processed_num = 0
-            self.reset()
+    def __len__(self) -> int:
+        return self.num_samples
 
-        def record_batch(self, batch_idx: int, batch_size: int) -> None:
-            self.processed_num += batch_size * self.num_replicas
 
-        def state_dict(self) -> dict[str, int]:
-            return {"epoch": self.epoch, "processed_num": self.processed_num}
+def _handles(value: Any) -> bool:
+    return isinstance(value, (torch.nn.Module, torch.optim.Optimizer, ElasticSampler))
 
-        def load_state_dict(self, state_dict: dict[str, int]) -> None:
-            self.epoch = state_dict["epoch"]
-            self.processed_num = state_dict["processed_num"]
-            self.reset()
 
-        def reset(self) -> None:
-            self.num_replicas = basics.size()
-            self.rank = basics.rank()
-            indices = list(range(len(self.dataset)))
-            if self.shuffle:
-                random.Random(self.seed + self.epoch).shuffle(indices)
-            self.remaining_indices = indices[self.processed_num:]
-            self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
-            self.total_size = self.num_samples * self.num_replicas
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``func(state, ...)``, rolling back to the last commit and retrying on HorovodInternalError."""
 
-        def __iter__(self) -> Any:
-            indices = self.remaining_indices[:]
-            indices += indices[:self.total_size - len(indices)]
-            return iter(indices[self.rank:self.total_size:self.num_replicas])
+    @functools.wraps(func)
+    def wrapper(state: ObjectState, *args: Any, **kwargs: Any) -> Any:
+        state.load_persisted()
+        while True:
+            state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except HorovodInternalError:
+                state.restore()
+            basics.shutdown()
+            basics.init()
+            state.on_reset()
 
-        def __len__(self) -> int:
-            return self.num_samples
+    return wrapper
 
-    def _handles(value: Any) -> bool:
-        return isinstance(value, (torch.nn.Module, torch.optim.Optimizer, ElasticSampler))
 
-    def run(func: Callable[..., Any]) -> Callable[..., Any]:
-        """Run ``func(state, ...)``, rolling back to the last commit and retrying on HorovodInternalError."""
-
-        @functools.wraps(func)
-        def wrapper(state: ObjectState, *args: Any, **kwargs: Any) -> Any:
-            state.load_persisted()
-            while True:
-                state.sync()
-                try:
-                    return func(state, *args, **kwargs)
-                except basics.HorovodInternalError:
-                    state.restore()
-                basics.shutdown()
-                basics.init()
-                state.on_reset()
-
-        return wrapper
-
-    __all__ = ["ElasticSampler", "ObjectState", "TorchState", "run", "state_dir"]
+__all__ = ["ElasticSampler", "ObjectState", "TorchState", "run", "state_dir"]

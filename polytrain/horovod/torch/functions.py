@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import broadcast_async_, synchronize
 from polytrain.horovod.torch.ops import allgather, broadcast_
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set
+from polytrain.horovod.torch.runtime import rank
 
 
 def _dumps(obj: Any) -> bytes:
@@ -106,7 +106,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``obj`` as held by ``root_rank``, pickled and broadcast."""
     name = name or type(obj).__name__
-    if basics.rank() == root_rank:
+    if rank() == root_rank:
         payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
         broadcast_(length, root_rank, name + ".sz", process_set)
@@ -115,7 +115,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         broadcast_(length, root_rank, name + ".sz", process_set)
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_(payload, root_rank, name + ".t", process_set)
-    if basics.rank() == root_rank:
+    if rank() == root_rank:
         return obj
     return pickle.loads(payload.numpy().tobytes())
 
@@ -130,3 +130,6 @@ def allgather_object(obj: Any, name: str | None = None,
     gathered = allgather(payload, name=name + ".t", process_set=process_set).numpy().tobytes()
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     return [pickle.loads(gathered[o:o + s]) for o, s in zip(offsets, sizes)]
+
+
+__all__ = ["allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"]

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from polytrain.horovod.common import Sum
-from polytrain.horovod.torch import basics, stall, transport
+from polytrain.horovod.common import HorovodInternalError, Sum
+from polytrain.horovod.torch import stall, transport
 from polytrain.horovod.torch.process_sets import global_process_set
+from polytrain.horovod.torch.runtime import runtime
 
 #: Gradient bucket layouts of live DistributedOptimizers: layout id -> [(elements, dtype)].
 OPTIMIZER_LAYOUTS: dict[int, list[tuple[int, torch.dtype]]] = {}
@@ -26,7 +27,7 @@ _joins = 0
 def join(device: int = -1) -> int:
     """Mark this rank done; returns the global rank that joined last."""
     global _joins
-    state = basics.runtime()
+    state = runtime()
     size = state.topology.size
     _joins += 1
     arrivals = state.store.add(f"join/{_joins}", 1)
@@ -51,14 +52,14 @@ def _serve(record: torch.Tensor, seq: int) -> None:
     if kind == stall.OPTIMIZER:
         layout = OPTIMIZER_LAYOUTS.get(int(record[stall.EXTRA]))
         if layout is None:
-            raise basics.HorovodInternalError("a DistributedOptimizer step reached a joined rank that has no "
+            raise HorovodInternalError("a DistributedOptimizer step reached a joined rank that has no "
                                               "optimizer with the same parameters")
         op = Sum
         buffers = [torch.zeros(numel, dtype=dtype) for numel, dtype in layout]
     else:
         code = int(record[stall.DTYPE])
         if not 0 < code <= len(stall.DTYPES):
-            raise basics.HorovodInternalError("a grouped allreduce of mixed dtypes cannot be joined")
+            raise HorovodInternalError("a grouped allreduce of mixed dtypes cannot be joined")
         op = int(record[stall.EXTRA])
         buffers = [torch.zeros(int(record[stall.NUMEL]), dtype=stall.dtype_of(code))]
     works = [transport.all_reduce(b, op) for b in buffers]

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from polytrain.horovod.common import Average, Sum
-from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import (
     allgather_async,
     allreduce_async,
@@ -31,6 +30,7 @@ from polytrain.horovod.torch.collectives import (
 )
 from polytrain.horovod.torch.compression import Compression, Compressor
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set
+from polytrain.horovod.torch.runtime import rank
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -157,7 +157,7 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        if basics.rank() != ctx.root_rank:
+        if rank() != ctx.root_rank:
             grad = grad * 0
         return grad, None, None, None
 
@@ -232,3 +232,9 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     reduced = synchronize(grouped_reducescatter_async([p[0] for p in pairs], name, op, process_set,
                                                       prescale_factor, postscale_factor))
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
+
+
+__all__ = [
+    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
+    "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter",
+]

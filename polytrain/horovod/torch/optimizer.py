@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from polytrain.horovod.common import Adasum, Average
-from polytrain.horovod.torch import basics, stall, transport
+from polytrain.horovod.torch import stall, transport
 from polytrain.horovod.torch.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -31,6 +31,7 @@ from polytrain.horovod.torch.compression import Compression, Compressor
 from polytrain.horovod.torch.join import OPTIMIZER_LAYOUTS
 from polytrain.horovod.torch.ops import allgather
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
+from polytrain.horovod.torch.runtime import runtime
 from polytrain.timeline import COLLECTIVES
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -158,7 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         OPTIMIZER_LAYOUTS.pop(self._layout, None)
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names = [self._parameter_names[p] for p in params]
-        state = basics.runtime()
+        state = runtime()
         settings = state.settings
         cap = min(settings.fusion_threshold, DEFAULT_BUCKET_BYTES) or 1
         self._buckets = plan_buckets(params, names, cap, split_groups(params, self._groups))
@@ -254,7 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _start_record(self) -> None:
         set_id = self.process_set.process_set_id
         self._seq = stall.next_seq(set_id)
-        if not basics.runtime().settings.metadata_check:
+        if not runtime().settings.metadata_check:
             self._verified = True
             return
         record = stall.make_record(stall.OPTIMIZER, None, [], extra=self._layout)
@@ -277,7 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             scale_(bucket.buffer, 1.0 / self.gradient_predivide_factor)
         sent, ctx = self._compression.compress(bucket.buffer)
         group = self.process_set.group
-        bucket.launched_at = basics.runtime().timeline.now()
+        bucket.launched_at = runtime().timeline.now()
         work = transport.all_reduce(sent, self.op, group)
         bucket.launched = (work, sent, ctx)
 
@@ -300,7 +301,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         post = self.gradient_predivide_factor if self.op == Average else 1.0
         if self.op == Average:
             post /= size
-        timeline = basics.runtime().timeline
+        timeline = runtime().timeline
         for bucket in self._buckets:
             work, sent, ctx = bucket.launched
             stall.wait(work, f"{bucket.label()} (gradient bucket {bucket.index})",

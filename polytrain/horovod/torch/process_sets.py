@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from polytrain.horovod.torch import basics
+from polytrain.horovod.torch.runtime import Runtime, rank, runtime, size
 
 
 class ProcessSet:
@@ -44,15 +44,15 @@ class ProcessSet:
         """Number of processes in the set, or None when it is not registered."""
         if self.process_set_id is None:
             return None
-        return len(self.ranks) if self.ranks else basics.size()
+        return len(self.ranks) if self.ranks else size()
 
     def rank(self) -> int | None:
         """This process's rank within the set, or None when the set is not registered."""
         if self.process_set_id is None:
             return None
         if not self.ranks:
-            return basics.rank()
-        me = basics.rank()
+            return rank()
+        me = rank()
         if me not in self.ranks:
             raise ValueError("Process is not part of provided process set.")
         return self.ranks.index(me)
@@ -63,7 +63,7 @@ class ProcessSet:
             return True
         if self.ranks is None:
             return None
-        return basics.rank() in self.ranks
+        return rank() in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
@@ -84,14 +84,14 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 
-def setup_global(state: basics.Runtime) -> None:
+def setup_global(state: Runtime) -> None:
     global_process_set.ranks = list(range(state.topology.size))
     global_process_set.group = None
     global_process_set.process_set_id = 0
     state.process_sets[0] = global_process_set
 
 
-def reset(state: basics.Runtime) -> None:
+def reset(state: Runtime) -> None:
     for process_set in state.process_sets.values():
         if process_set is not global_process_set:
             process_set._invalidate()
@@ -100,7 +100,7 @@ def reset(state: basics.Runtime) -> None:
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set on every rank (all ranks must call this, in the same order)."""
-    state = basics.runtime()
+    state = runtime()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     ranks = list(process_set.ranks or [])
@@ -118,7 +118,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank (all ranks must call this); False for the global set."""
-    state = basics.runtime()
+    state = runtime()
     set_id = process_set.process_set_id
     if set_id is None or set_id == 0 or set_id not in state.process_sets:
         return False
@@ -132,11 +132,14 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 def resolve(process_set: ProcessSet) -> tuple[Any, int, int]:
     """(torch group, size, this process's rank in it) for a collective on ``process_set``."""
-    basics.runtime()
+    runtime()
     if process_set.process_set_id is None:
         raise ValueError(f"{process_set} is not registered; pass it to hvd.init(process_sets=...) or "
                          "hvd.add_process_set()")
     if not process_set.included():
-        raise ValueError(f"rank {basics.rank()} is not part of {process_set}; only its members may call "
+        raise ValueError(f"rank {rank()} is not part of {process_set}; only its members may call "
                          "collectives on it")
     return process_set.group, process_set.size(), process_set.rank()
+
+
+__all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.horovod.common import stall_message
-from polytrain.horovod.torch import basics
+from polytrain.horovod.common import HorovodInternalError, stall_message
+from polytrain.horovod.torch.runtime import Runtime, is_initialized, mark_broken, runtime
 
 RECORD = 16
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, GROUPED_ALLREDUCE, OPTIMIZER = range(1, 10)
@@ -45,7 +45,7 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uin
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
 
 
-class CollectiveMismatchError(basics.HorovodInternalError):
+class CollectiveMismatchError(HorovodInternalError):
     """Ranks called different collectives, or the same one on different tensors."""
 
 
@@ -100,11 +100,11 @@ def describe(record: Sequence[int], name: str | None) -> str:
 # ----------------------------------------------------------------------------- exchange
 
 def start_exchange(record: torch.Tensor, group: Any, size: int) -> tuple[Any, torch.Tensor]:
-    """Launch the all-gather of ``record`` (over MPI when the shim moves data there: see `transport`);
+    """Launch the all-gather of ``record`` (over MPI when the shim moves data there: see `mpi`);
     returns (work, gathered[size, len])."""
     if size == 1:
         return None, record.clone().view(1, -1)
-    engine = basics.runtime().mpi
+    engine = runtime().mpi
     if engine is not None and group is None:
         return engine.exchange(record)
     gathered = torch.empty(size * record.numel(), dtype=torch.int64)
@@ -122,14 +122,14 @@ def verify(records: torch.Tensor, name: str | None, group: Any, process_set_id: 
     if joined_ok:
         active = rows[rows[:, KIND] != JOIN]
         if 0 < len(active) < len(rows) and int(active[0, KIND]) not in (ALLREDUCE, GROUPED_ALLREDUCE, OPTIMIZER):
-            basics.mark_broken()
+            mark_broken()
             raise CollectiveMismatchError(f"{KIND_NAMES[int(active[0, KIND])].capitalize()} is not supported "
                                           "with Join at this time.")
         rows = active if len(active) else rows
     fields = list(_COMPARED_UNEVEN if uneven else _COMPARED)
     if bool((rows[:, fields] == rows[0, fields]).all()):
         return
-    basics.mark_broken()
+    mark_broken()
     try:
         who = _who_called_what(records, name, group, process_set_id, seq)
     except RuntimeError:  # the store is gone too: describe from the records alone
@@ -140,7 +140,7 @@ def verify(records: torch.Tensor, name: str | None, group: Any, process_set_id: 
 
 def _who_called_what(records: torch.Tensor, name: str | None, group: Any, process_set_id: int, seq: int) -> str:
     """Every rank's call, in words, swapped through the store (gloo may be out of step by now)."""
-    state = basics.runtime()
+    state = runtime()
     members = _members(group, len(records))
     me = members.index(state.topology.rank)
     prefix = f"mismatch/{process_set_id}/{seq}/"
@@ -175,7 +175,7 @@ def _members(group: Any, size: int) -> list[int]:
 # ----------------------------------------------------------------------------- monitored waits
 
 def next_seq(process_set_id: int) -> int:
-    state = basics.runtime()
+    state = runtime()
     state.submitted[process_set_id] = state.submitted.get(process_set_id, 0) + 1
     return state.submitted[process_set_id]
 
@@ -184,7 +184,7 @@ def wait(work: Any, label: str, process_set_id: int, seq: int, group: Any) -> No
     """Wait for ``work``, warning about and eventually shutting down on a stall."""
     if work is None:
         return
-    state = basics.runtime()
+    state = runtime()
     settings = state.settings
     if not settings.stall_check:
         work.wait()
@@ -202,8 +202,8 @@ def wait(work: Any, label: str, process_set_id: int, seq: int, group: Any) -> No
         return
     missing = _missing_ranks(state, label, process_set_id, seq, group)
     _log("ERROR", stall_message({r: [label] for r in missing}, shutdown_after, shutdown=True))
-    basics.mark_broken()
-    raise basics.HorovodInternalError(f"{label} stalled for more than {shutdown_after:.0f} seconds "
+    mark_broken()
+    raise HorovodInternalError(f"{label} stalled for more than {shutdown_after:.0f} seconds "
                                       f"(missing ranks {missing}); Horovod is shutting down")
 
 
@@ -215,11 +215,11 @@ def _wait_for(work: Any, seconds: float) -> bool:
     except RuntimeError as exc:
         if "timed out" in str(exc).lower():
             return False
-        raise basics.HorovodInternalError(str(exc).splitlines()[0]) from exc
+        raise HorovodInternalError(str(exc).splitlines()[0]) from exc
     return True
 
 
-def _missing_ranks(state: basics.Runtime, label: str, process_set_id: int, seq: int, group: Any) -> list[int]:
+def _missing_ranks(state: Runtime, label: str, process_set_id: int, seq: int, group: Any) -> list[int]:
     """Global ranks of the set that have not submitted collective number ``seq`` (per the store)."""
     members = _members(group, state.topology.size)
     store = state.store
@@ -241,6 +241,6 @@ def _missing_ranks(state: basics.Runtime, label: str, process_set_id: int, seq: 
 
 
 def _log(level: str, message: str) -> None:
-    rank = basics.rank() if basics.is_initialized() else "?"
-    sys.stderr.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] [rank {rank}] [{level}] {message}\n")
+    who = runtime().topology.rank if is_initialized() else "?"
+    sys.stderr.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] [rank {who}] [{level}] {message}\n")
     sys.stderr.flush()

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from polytrain.horovod.common import Sum
-from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import allgather_async, allreduce_async, synchronize
+from polytrain.horovod.torch.runtime import size
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -40,7 +40,7 @@ class SyncBatchNorm(_BatchNorm):
         else:
             factor = self.momentum
         use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or basics.size() == 1:
+        if not use_batch_stats or size() == 1:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 use_batch_stats, factor, self.eps)
         return _SyncBatchNormFunction.apply(input, self.weight, self.bias, self.running_mean, self.running_var,

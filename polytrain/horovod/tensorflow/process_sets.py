@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polytrain.horovod.tensorflow._errors import HorovodUnsupportedError
+from polytrain.horovod.common import HorovodUnsupportedError, Topology
 
 _ONLY_GLOBAL = ("polytrain's Horovod shim supports only the global process set; install Horovod with "
                 "TensorFlow support for process sets")
@@ -24,14 +24,10 @@ class ProcessSet:
             self.ranks = sorted(int(r) for r in ranks_or_comm)  # type: ignore[union-attr]
 
     def size(self) -> int | None:
-        from polytrain.horovod.tensorflow import _shim
-
-        return _shim.size() if self.process_set_id == 0 and _shim.is_initialized() else None
+        return _topology.size if self.process_set_id == 0 and _topology is not None else None
 
     def rank(self) -> int | None:
-        from polytrain.horovod.tensorflow import _shim
-
-        return _shim.rank() if self.process_set_id == 0 and _shim.is_initialized() else None
+        return _topology.rank if self.process_set_id == 0 and _topology is not None else None
 
     def included(self) -> bool | None:
         return None if self.process_set_id is None else True
@@ -42,6 +38,15 @@ class ProcessSet:
 
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
+_topology: Topology | None = None
+
+
+def register_global(topology: Topology | None) -> None:
+    """Make the global set span the job ``hvd.init()`` started (None: ``hvd.shutdown()`` ended it)."""
+    global _topology
+    _topology = topology
+    if topology is not None:
+        global_process_set.ranks = list(range(topology.size))
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -50,3 +55,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     raise HorovodUnsupportedError(_ONLY_GLOBAL)
+
+
+__all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]

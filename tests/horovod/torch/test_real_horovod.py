@@ -7,8 +7,11 @@ passes under both and every recorded value is identical.
 import pytest
 from hvd_launch import WORKERS, failed_checks, launch, results
 
+from polytrain.horovod.common import _import_error
+
 pytestmark = pytest.mark.multiproc
-pytest.importorskip("horovod.torch", reason="real Horovod is not installed (scripts/build_horovod.sh)")
+if _import_error("horovod.torch") is not None:  # not importorskip: tests/horovod/torch would pass for it
+    pytest.skip("real Horovod is not installed (scripts/build_horovod.sh)", allow_module_level=True)
 
 DIFFERENT_BY_DESIGN = {"built", "adasum"}  # build flags; Adasum is refused by the shim
 

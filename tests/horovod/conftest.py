@@ -1,4 +1,5 @@
-"""Launchers for the polytrain.horovod.tensorflow / .keras tests: real processes, timeouts, loopback."""
+"""Launchers for the polytrain.horovod.tensorflow / .keras tests (tensorflow/, keras/): real processes,
+timeouts, loopback. The torch tests use ``hvd_launch`` (tests/hvd_launch.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import BIN, check, loopback_env, run
+from procs import BIN, REPO, check, loopback_env, run
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 PYTHON = sys.executable
 
 
@@ -33,11 +32,16 @@ def horovod_tf_available() -> bool:
 
 
 class Launch:
-    """Start a script on N ranks and collect each rank's ``RESULT <json>`` line."""
+    """Start a script on N ranks and collect each rank's ``RESULT <json>`` line.
 
-    here = HERE
+    ``here`` is the folder of the test that asked for it (where its worker scripts are).
+    """
+
     python = PYTHON
     env = staticmethod(tf_env)
+
+    def __init__(self, here: Path) -> None:
+        self.here = here
 
     @staticmethod
     def mpirun(nproc: int, script: Path | str, *args: str, impl: str = "shim", timeout: float = 300,
@@ -57,6 +61,17 @@ class Launch:
                **extra: str) -> subprocess.CompletedProcess[str]:
         return run([PYTHON, str(script), *args], timeout=timeout, env=tf_env(impl, **extra))
 
+    def example(self, name: str, impl: str, launcher: str = "mpirun") -> dict:
+        """Run ``examples/horovod/<name>`` on 2 ranks; rank 0's result."""
+        script = REPO / "examples" / "horovod" / name
+        if launcher == "horovodrun":
+            proc = self.horovodrun(2, script, timeout=540)
+        else:
+            proc = self.mpirun(2, script, impl=impl, timeout=540)
+        (result,) = self.results(proc, 1)  # rank 0 reports
+        assert result["size"] == 2
+        return result
+
     @staticmethod
     def results(proc: subprocess.CompletedProcess[str], size: int) -> list[dict]:
         """Every rank's RESULT json, indexed by the rank it reports."""
@@ -66,11 +81,11 @@ class Launch:
 
 
 @pytest.fixture
-def launch() -> type[Launch]:
+def launch(request: pytest.FixtureRequest) -> Launch:
     for module in ("tensorflow", "mpi4py"):  # found, not imported: TensorFlow stays out of pytest
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
-    return Launch
+    return Launch(Path(request.path).resolve().parent)
 
 
 @pytest.fixture

@@ -7,23 +7,12 @@ import pytest
 EXAMPLES = ("tensorflow2_digits.py", "keras_digits.py")
 
 
-def run_example(launch, name: str, impl: str, launcher: str = "mpirun") -> dict:
-    script = launch.here.parents[1] / "examples" / "horovod" / name
-    if launcher == "horovodrun":
-        proc = launch.horovodrun(2, script, timeout=540)
-    else:
-        proc = launch.mpirun(2, script, impl=impl, timeout=540)
-    (result,) = launch.results(proc, 1)  # rank 0 reports
-    assert result["size"] == 2
-    return result
-
-
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_learns_digits_on_the_shim(launch, name):
-    result = run_example(launch, name, "shim")
+    result = launch.example(name, "shim")
     assert result["impl"] == "polytrain"
     assert result["val_accuracy"] >= 0.95
     if name == "tensorflow2_digits.py":
@@ -37,6 +26,6 @@ def test_example_learns_digits_on_the_shim(launch, name):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_learns_digits_on_real_horovod(launch, real_horovod, name):
-    result = run_example(launch, name, "horovod", launcher="horovodrun" if name == "keras_digits.py" else "mpirun")
+    result = launch.example(name, "horovod", launcher="horovodrun" if name == "keras_digits.py" else "mpirun")
     assert result["impl"] == "horovod"
     assert result["val_accuracy"] >= 0.95

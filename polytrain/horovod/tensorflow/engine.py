@@ -13,7 +13,8 @@ a hash of the shapes). That one message buys three things Horovod's coordinator 
   while a rank is joined).
 
 Ranks must issue collectives in the same order; the TensorFlow layer guarantees that by
-chaining its ops (see ``_shim``).
+chaining its ops (see `ops`). The data moves through `polytrain.mpi_transport.MpiTransport`
+(or `LocalTransport` in a one-process job without MPI).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from polytrain.horovod import common
+from polytrain.horovod.common import REDUCTIONS, Average, Sum, split_rows
+from polytrain.horovod.common.settings import DEFAULT_FUSION_THRESHOLD
+from polytrain.mpi_transport import plan_buckets, wait, wire_dtype
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = range(1, 8)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
@@ -36,7 +39,6 @@ KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadc
 ACTIVE, KIND, OP, DTYPE, COUNT, ROOT, FIRST_DIM, SHAPES = range(8)
 _DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
            "bfloat16", "float32", "float64", "complex64", "complex128")
-_WIDENED = {"float16": np.float32, "bfloat16": np.float32}  # MPI has no 16-bit float reductions
 
 
 class CollectiveError(RuntimeError):
@@ -51,20 +53,24 @@ def _shape_hash(shapes: Sequence[Sequence[int]]) -> int:
     return zlib.crc32(repr([tuple(int(d) for d in s) for s in shapes]).encode())
 
 
-def scatter_rows(rows: int, size: int) -> list[int]:
-    """Horovod's reducescatter split: the first ``rows % size`` ranks get one extra row."""
-    return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+class _Completed:
+    """The request of a collective that completed when it was issued."""
+
+    @staticmethod
+    def Test() -> bool:  # noqa: N802 - mpi4py's name
+        return True
 
 
 class LocalTransport:
-    """The transport of a one-process job: every collective is a copy."""
+    """The transport of a one-process job without MPI: every collective is a copy."""
 
     rank, size = 0, 1
 
-    def control(self, row: np.ndarray) -> np.ndarray:
-        return row.reshape(1, -1).copy()
+    def start_allgather(self, send: np.ndarray, recv: np.ndarray) -> _Completed:
+        recv[...] = send.reshape(recv.shape)
+        return _Completed()
 
-    def allreduce(self, buf: np.ndarray, op: int) -> None:
+    def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
         pass
 
     def allgatherv(self, send: np.ndarray, counts: Sequence[int]) -> np.ndarray:
@@ -73,80 +79,17 @@ class LocalTransport:
     def bcast(self, buf: np.ndarray, root: int) -> None:
         pass
 
-    def exchange_counts(self, send: np.ndarray) -> np.ndarray:
+    def alltoall(self, send: np.ndarray) -> np.ndarray:
         return send.copy()
 
     def alltoallv(self, send: np.ndarray, sendcounts: Sequence[int], recvcounts: Sequence[int]) -> np.ndarray:
         return send.copy()
 
-    def reduce_scatter(self, buf: np.ndarray, counts: Sequence[int], op: int) -> np.ndarray:
+    def reduce_scatter(self, buf: np.ndarray, counts: Sequence[int], op: str = "sum") -> np.ndarray:
         return buf.copy()
 
-
-class MpiTransport:
-    """Byte and typed-buffer collectives on an mpi4py communicator.
-
-    The control round waits with a non-blocking allgather, polled with short sleeps: a rank
-    waiting for slower ranks does not spin a core, and after ``stall_seconds`` it says that it
-    is stuck (Horovod's stall warning); after ``shutdown_seconds`` it aborts the job.
-    """
-
-    def __init__(self, comm, *, stall_seconds: float | None = None, shutdown_seconds: float | None = None) -> None:
-        from mpi4py import MPI
-
-        self._mpi = MPI
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.stall_seconds = stall_seconds
-        self.shutdown_seconds = shutdown_seconds
-        self._ops = {common.Sum: MPI.SUM, common.Average: MPI.SUM, common.Min: MPI.MIN,
-                     common.Max: MPI.MAX, common.Product: MPI.PROD}
-
-    def control(self, row: np.ndarray) -> np.ndarray:
-        table = np.empty((self.size, row.size), dtype=np.int64)
-        request = self.comm.Iallgather(row, table)
-        start, pause, warned = time.monotonic(), 0.0, False
-        while not request.Test():
-            time.sleep(pause)
-            pause = min(pause + 5e-5, 1e-3)
-            waited = time.monotonic() - start
-            if self.stall_seconds is not None and waited > self.stall_seconds and not warned:
-                warned = True
-                print(f"[polytrain.horovod rank {self.rank}] waited {waited:.0f} s for the other ranks to reach this "
-                      f"{KIND_NAMES.get(int(row[KIND]), '?')}; ranks that submit different collectives (or none) "
-                      "deadlock", file=sys.stderr, flush=True)
-            if self.shutdown_seconds is not None and waited > self.shutdown_seconds:
-                print(f"[polytrain.horovod rank {self.rank}] stalled for more than {self.shutdown_seconds:.0f} s "
-                      "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); aborting the job", file=sys.stderr, flush=True)
-                self.comm.Abort(1)
-        return table
-
-    def allreduce(self, buf: np.ndarray, op: int) -> None:
-        self.comm.Allreduce(self._mpi.IN_PLACE, buf, op=self._ops[op])
-
-    def allgatherv(self, send: np.ndarray, counts: Sequence[int]) -> np.ndarray:
-        recv = np.empty(int(sum(counts)), dtype=np.uint8)
-        self.comm.Allgatherv(send, [recv, list(counts)])
-        return recv
-
-    def bcast(self, buf: np.ndarray, root: int) -> None:
-        self.comm.Bcast(buf, root=root)
-
-    def exchange_counts(self, send: np.ndarray) -> np.ndarray:
-        recv = np.empty_like(send)
-        self.comm.Alltoall(send, recv)
-        return recv
-
-    def alltoallv(self, send: np.ndarray, sendcounts: Sequence[int], recvcounts: Sequence[int]) -> np.ndarray:
-        recv = np.empty(int(sum(recvcounts)), dtype=np.uint8)
-        self.comm.Alltoallv([send, list(sendcounts)], [recv, list(recvcounts)])
-        return recv
-
-    def reduce_scatter(self, buf: np.ndarray, counts: Sequence[int], op: int) -> np.ndarray:
-        recv = np.empty(int(counts[self.rank]), dtype=buf.dtype)
-        self.comm.Reduce_scatter(buf, recv, list(counts), op=self._ops[op])
-        return recv
+    def abort(self, code: int = 1) -> None:
+        raise SystemExit(code)
 
 
 def _serialized(method):
@@ -163,23 +106,42 @@ def _bytes(a: np.ndarray) -> np.ndarray:
 
 
 class Engine:
-    """Horovod's collectives (reduce ops, scaling, uneven allgather, join) over a transport."""
+    """Horovod's collectives (reduce ops, scaling, uneven allgather, join) over a transport.
 
-    def __init__(self, transport, *, fusion_threshold: int = common.DEFAULT_FUSION_THRESHOLD,
-                 check_metadata: bool = True) -> None:
+    A control round still incomplete after ``stall_seconds`` prints that this rank is stuck
+    (Horovod's stall warning); after ``shutdown_seconds`` it aborts the job.
+    """
+
+    def __init__(self, transport: Any, *, fusion_threshold: int = DEFAULT_FUSION_THRESHOLD,
+                 check_metadata: bool = True, stall_seconds: float | None = None,
+                 shutdown_seconds: float | None = None) -> None:
         self.t = transport
         self.rank, self.size = transport.rank, transport.size
         self.fusion_threshold = fusion_threshold
         self.check_metadata = check_metadata
+        self.stall_seconds = stall_seconds
+        self.shutdown_seconds = shutdown_seconds
+        self._watch = None if stall_seconds is None and shutdown_seconds is None else _StallWatch(self)
         self._active_before = np.ones(self.size, dtype=bool)
         # one collective at a time per process, whichever thread (eager code, tf.function) issues it
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ control rounds
+    def _control(self, row: np.ndarray) -> np.ndarray:
+        """Every rank's control row, waited for without spinning a core and watched for stalls."""
+        table = np.empty((self.size, row.size), dtype=np.int64)
+        request = self.t.start_allgather(row, table)
+        if self._watch is None:
+            wait(request)
+        else:
+            self._watch.kind, self._watch.warned = int(row[KIND]), False
+            wait(request, on_wait=self._watch)
+        return table
+
     def _round(self, kind: int, *, op: int = 0, dtype: int = 0, count: int = 0, root: int = -1,
                first_dim: int = 0, shapes: int = 0) -> np.ndarray:
         row = np.array([1, kind, op, dtype, count, root, first_dim, shapes], dtype=np.int64)
-        table = self.t.control(row)
+        table = self._control(row)
         active = table[:, ACTIVE] == 1
         if not active.all() and kind != ALLREDUCE:
             joined = [int(r) for r in np.flatnonzero(~active)]
@@ -210,7 +172,7 @@ class Engine:
         """Contribute zeros to the others' allreduces until every rank has joined; the last joiner."""
         while True:
             row = np.array([0, JOIN, 0, 0, 0, -1, 0, 0], dtype=np.int64)
-            table = self.t.control(row)
+            table = self._control(row)
             active = table[:, ACTIVE] == 1
             if not active.any():
                 last = int(np.flatnonzero(self._active_before)[-1])
@@ -222,7 +184,7 @@ class Engine:
                 raise CollectiveError(f"{KIND_NAMES.get(int(first[KIND]), '?')} is not supported while this "
                                       f"rank ({self.rank}) has called join() (Horovod supports only allreduce)")
             zeros = np.zeros(int(first[COUNT]), dtype=np.dtype(_DTYPES[int(first[DTYPE])]))
-            self.t.allreduce(zeros, int(first[OP]))
+            self.t.allreduce(zeros, REDUCTIONS[int(first[OP])])
 
     @_serialized
     def barrier(self) -> None:
@@ -233,13 +195,14 @@ class Engine:
     def allreduce(self, arrays: Sequence[np.ndarray], op: int, prescale: float = 1.0,
                   postscale: float = 1.0) -> list[np.ndarray]:
         """Reduce every array across ranks; arrays of one dtype travel fused, up to the fusion threshold."""
-        if op not in (common.Sum, common.Average, common.Min, common.Max, common.Product):
+        if op not in REDUCTIONS:
             raise CollectiveError(f"reduce op {op} is not supported by polytrain's MPI engine")
-        after = postscale / self.size if op == common.Average else postscale
+        after = postscale / self.size if op == Average else postscale
         out: list[np.ndarray | None] = [None] * len(arrays)
-        for idx in self._buckets(arrays):
-            group = [np.asarray(arrays[i]) for i in idx]
-            wire = np.dtype(_WIDENED.get(group[0].dtype.name, group[0].dtype))
+        arrays = [np.asarray(a) for a in arrays]
+        for idx in plan_buckets(arrays, self.fusion_threshold):
+            group = [arrays[i] for i in idx]
+            wire = wire_dtype(group[0].dtype)
             if wire == np.bool_:
                 raise CollectiveError("allreduce of bool tensors is not supported; cast to an integer type")
             # one copy into a buffer of our own (the inputs are TensorFlow's), reduced in place
@@ -247,7 +210,7 @@ class Engine:
             flat = _scaled(flat, prescale)
             self._round(ALLREDUCE, op=op, dtype=_dtype_code(wire), count=flat.size,
                         shapes=_shape_hash([g.shape for g in group]))
-            self.t.allreduce(flat, op)
+            self.t.allreduce(flat, REDUCTIONS[op])
             flat = _scaled(flat, after)
             offset = 0
             for i, g in zip(idx, group):
@@ -255,37 +218,22 @@ class Engine:
                 offset += g.size
         return out  # type: ignore[return-value]
 
-    def _buckets(self, arrays: Sequence[np.ndarray]) -> list[list[int]]:
-        """Indices grouped by dtype, each group cut where it would exceed the fusion threshold."""
-        buckets: list[list[int]] = []
-        open_bucket: dict[str, tuple[list[int], int]] = {}
-        for i, a in enumerate(arrays):
-            a = np.asarray(a)
-            key, nbytes = a.dtype.name, a.nbytes
-            bucket, used = open_bucket.get(key, (None, 0))
-            if bucket is None or used + nbytes > self.fusion_threshold:
-                bucket, used = [], 0
-                buckets.append(bucket)
-            bucket.append(i)
-            open_bucket[key] = (bucket, used + nbytes)
-        return buckets
-
     @_serialized
     def reducescatter(self, array: np.ndarray, op: int, prescale: float = 1.0,
                       postscale: float = 1.0) -> np.ndarray:
         array = np.asarray(array)
-        if op not in (common.Sum, common.Average):
+        if op not in (Sum, Average):
             raise CollectiveError("reducescatter supports only Sum and Average (as Horovod)")
         if array.ndim == 0:
             raise CollectiveError("reducescatter of a rank-zero tensor is not supported (as Horovod)")
-        wire = np.dtype(_WIDENED.get(array.dtype.name, array.dtype))
+        wire = wire_dtype(array.dtype)
         flat = _scaled(array.reshape(-1).astype(wire), prescale)
         self._round(REDUCESCATTER, op=op, dtype=_dtype_code(wire), count=flat.size,
                     shapes=_shape_hash([array.shape]))
         row = int(np.prod(array.shape[1:], dtype=np.int64))
-        rows = scatter_rows(array.shape[0], self.size)
-        mine = self.t.reduce_scatter(flat, [r * row for r in rows], op)
-        after = postscale / self.size if op == common.Average else postscale
+        rows = split_rows(array.shape[0], self.size)
+        mine = self.t.reduce_scatter(flat, [r * row for r in rows], REDUCTIONS[op])
+        after = postscale / self.size if op == Average else postscale
         return _scaled(mine, after).reshape((rows[self.rank],) + array.shape[1:]).astype(array.dtype, copy=False)
 
     # ------------------------------------------------------------------ data movement
@@ -339,7 +287,7 @@ class Engine:
         row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.dtype.itemsize
         self._round(ALLTOALL, dtype=_dtype_code(array.dtype), count=row_bytes, first_dim=rows,
                     shapes=_shape_hash([array.shape[1:]]))
-        received = self.t.exchange_counts(splits)
+        received = self.t.alltoall(splits)
         data = self.t.alltoallv(_bytes(array)[:int(splits.sum()) * row_bytes],
                                 [int(s) * row_bytes for s in splits], [int(r) * row_bytes for r in received])
         out = data.view(array.dtype).reshape((int(received.sum()),) + array.shape[1:])
@@ -355,3 +303,22 @@ def _scaled(a: np.ndarray, factor: float) -> np.ndarray:
         return (a.astype(np.float64) * factor).astype(a.dtype)
     a *= np.asarray(factor, dtype=a.dtype)
     return a
+
+
+class _StallWatch:
+    """Called while a control round waits: warns once after the stall time, aborts after the shutdown time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.kind, self.warned = engine, 0, False
+
+    def __call__(self, waited: float) -> None:
+        engine = self.engine
+        if engine.stall_seconds is not None and waited > engine.stall_seconds and not self.warned:
+            self.warned = True
+            print(f"[polytrain.horovod rank {engine.rank}] waited {waited:.0f} s for the other ranks to reach this "
+                  f"{KIND_NAMES.get(self.kind, '?')}; ranks that submit different collectives (or none) deadlock",
+                  file=sys.stderr, flush=True)
+        if engine.shutdown_seconds is not None and waited > engine.shutdown_seconds:
+            print(f"[polytrain.horovod rank {engine.rank}] stalled for more than {engine.shutdown_seconds:.0f} s "
+                  "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); aborting the job", file=sys.stderr, flush=True)
+            engine.t.abort(1)

@@ -1,6 +1,7 @@
 """Start a worker script under torchrun, mpirun or a horovodrun-style environment; read its results.
 
-Import as ``from hvd_launch import ...`` (conftest.py puts this directory on sys.path).
+Import as ``from hvd_launch import ...`` (tests/ is on pytest's pythonpath); the workers are in
+tests/horovod/torch/workers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from procs import BIN, REPO, check, free_port, loopback_env, run
 
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = Path(__file__).resolve().parent / "horovod" / "torch" / "workers"
 MPIRUN = [str(BIN / "mpirun"), "--oversubscribe", "--map-by", "slot"]
 
 

@@ -1,4 +1,4 @@
-"""Fusion buckets (pure) and fused averaging over real MPI processes."""
+"""The MPI transport: fusion buckets, dtypes and polling (pure), fused averaging over real MPI processes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import pytest
 from procs import BIN, check, loopback_env, run
 
 from polytrain.errors import EnvironmentDetectionError
-from polytrain.mpi_fusion import DEFAULT_FUSION_BYTES, fusion_threshold, plan_buckets
+from polytrain.mpi_transport import (
+    DEFAULT_FUSION_BYTES,
+    REDUCIBLE,
+    fusion_threshold,
+    plan_buckets,
+    wait,
+    wire_dtype,
+)
 
 
 def arrays(*specs: tuple[int, str]) -> list[np.ndarray]:
@@ -41,10 +48,45 @@ def test_large_arrays_go_alone_and_dtypes_never_mix() -> None:
     assert plan_buckets(arrays((5, "f4"), (5, "f4")), 0) == [[0], [1]]  # 0 = no fusion
 
 
+def test_each_dtype_fills_its_own_bucket() -> None:
+    # interleaved dtypes still fuse: one open bucket per dtype, buckets in the order of their first array
+    assert plan_buckets(arrays((5, "f4"), (5, "f8"), (5, "f4"), (5, "f8")), 100) == [[0, 2], [1, 3]]
+    # a large array closes its dtype's open bucket: later small ones start a new one
+    assert plan_buckets(arrays((5, "f4"), (100, "f4"), (5, "f4")), 100) == [[0], [1], [2]]
+
+
+def test_16_bit_floats_are_reduced_as_float32() -> None:
+    assert wire_dtype(np.dtype("float16")) == np.float32
+    assert wire_dtype(np.dtype("int16")) == np.int16 and wire_dtype(np.dtype("bool")) == np.bool_
+    assert "float16" not in REDUCIBLE and "bool" not in REDUCIBLE and {"float32", "int64"} <= REDUCIBLE
+
+
+class Request:
+    """An MPI request that completes after ``tests`` calls of Test()."""
+
+    def __init__(self, tests: int) -> None:
+        self.left = tests
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        self.left -= 1
+        return self.left < 0
+
+
+def test_wait_spins_then_backs_off_and_reports_the_wait() -> None:
+    waited: list[float] = []
+    assert wait(Request(5), spins=3, on_wait=waited.append)
+    assert len(waited) == 2  # tests 4 and 5 failed after the 3 spins: a sleep and a report each
+    assert wait(Request(0), on_wait=waited.append) and len(waited) == 2  # done at once: no report
+
+
+def test_wait_gives_up_after_the_timeout() -> None:
+    assert wait(Request(10**9), spins=10**9, timeout=0.01) is False
+
+
 WORKER = textwrap.dedent("""\
     import json, sys
     import numpy as np
-    from polytrain.mpi_fusion import MpiCollectives
+    from polytrain.mpi_transport import MpiCollectives
     from polytrain.environments import detect_world
     world = detect_world()
     mpi = MpiCollectives(world.rank, world.size, world.launcher, fusion_bytes=int(sys.argv[2]))

@@ -13,9 +13,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from polytrain.horovod.common import Average, Sum
-from polytrain.horovod.tensorflow._backend import impl
-from polytrain.horovod.tensorflow.collectives import HorovodArgumentError
+from polytrain.horovod.common import Average, HorovodArgumentError, Sum
+from polytrain.horovod.tensorflow import _impl
 from polytrain.horovod.tensorflow.compression import Compression
 from polytrain.horovod.tensorflow.gradient_tape import GradientReducer, resolve_groups
 
@@ -32,7 +31,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                  average_aggregated_gradients=False, num_groups=0, groups=None,
-                 process_set=impl.global_process_set, scale_local_gradients=True, **kwargs):
+                 process_set=_impl.global_process_set, scale_local_gradients=True, **kwargs):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise HorovodArgumentError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
                                        f"{type(optimizer).__name__}")

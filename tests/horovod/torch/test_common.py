@@ -6,10 +6,16 @@ from environments.launcher_dumps import load_dump
 
 from polytrain.errors import BackendUnavailableError, UserError
 from polytrain.horovod import common
-from polytrain.horovod.common import HorovodEnvError, HorovodSettings, topology_from_records, use_real_horovod
+from polytrain.horovod.common import (
+    HorovodEnvError,
+    HorovodSettings,
+    split_rows,
+    topology_from_records,
+    use_real_horovod,
+)
 from polytrain.horovod.torch import buckets, stall
 from polytrain.horovod.torch.basics import select_backend
-from polytrain.horovod.torch.collectives import reducescatter_rows, resolve_op, scale_
+from polytrain.horovod.torch.collectives import resolve_op, scale_
 from polytrain.horovod.torch.compression import Compression
 
 HOROVOD_IMPORTS = common._import_error("horovod.torch") is None
@@ -82,9 +88,9 @@ def test_backend_selection():
 
 
 def test_reducescatter_split_gives_first_ranks_the_extra_rows():
-    assert reducescatter_rows(7, 3) == [3, 2, 2]
-    assert reducescatter_rows(8, 3) == [3, 3, 2]
-    assert reducescatter_rows(2, 4) == [1, 1, 0, 0]
+    assert split_rows(7, 3) == [3, 2, 2]
+    assert split_rows(8, 3) == [3, 3, 2]
+    assert split_rows(2, 4) == [1, 1, 0, 0]
 
 
 def test_resolve_op():
@@ -145,7 +151,7 @@ def test_ops_before_init_raise_horovods_error():
 
 
 def test_cpu_operations_choose_gloo_without_an_mpi_launcher_or_when_asked():
-    from polytrain.horovod.torch.transport import open_engine
+    from polytrain.horovod.torch.mpi import open_engine
 
     assert open_engine(load_dump("torchrun_rank1"), 2) is None  # torchrun: gloo (no MPI started)
     assert open_engine(load_dump("horovodrun_gloo_rank1"), 2) is None
@@ -156,10 +162,23 @@ def test_cpu_operations_choose_gloo_without_an_mpi_launcher_or_when_asked():
 
 
 def test_the_mpi_engine_carries_only_cpu_tensors_mpi_reduces_natively():
-    from polytrain.horovod.torch.transport import MpiEngine
+    from polytrain.horovod.torch.mpi import MpiEngine
 
     engine = MpiEngine.__new__(MpiEngine)  # no communicator needed to ask what it carries
     assert engine.carries(torch.ones(3), torch.ones(2, dtype=torch.int64), torch.ones(1, dtype=torch.uint8))
     for tensor in (torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.bfloat16),
                    torch.ones(3, dtype=torch.bool), torch.ones(4, 4).t()):
         assert not engine.carries(tensor)
+
+
+def test_real_and_shim_export_the_same_names_the_package_does():
+    import polytrain.horovod.torch as hvd
+    from polytrain.horovod.torch import _shim
+
+    assert set(_shim.__all__) == set(hvd.__all__)
+    assert all(hasattr(_shim, name) for name in _shim.__all__)
+    if HOROVOD_IMPORTS:
+        from polytrain.horovod.torch import _real
+
+        assert set(_real.__all__) == set(hvd.__all__)
+        assert all(hasattr(_real, name) for name in _real.__all__)

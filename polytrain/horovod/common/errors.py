@@ -1,0 +1,25 @@
+"""The exceptions of the Horovod-compatible APIs, shared by every framework.
+
+Each is also the built-in exception Horovod raises in its place, so ``except ValueError`` or
+``except hvd.HorovodInternalError`` in a script keeps working.
+"""
+
+from __future__ import annotations
+
+from polytrain.errors import UserError
+
+
+class HorovodEnvError(UserError):
+    """A ``HOROVOD_*`` / ``POLYTRAIN_HOROVOD_*`` variable holds a value that is not allowed."""
+
+
+class HorovodArgumentError(UserError, ValueError):
+    """A Horovod call got an argument Horovod rejects too (also a ``ValueError``, as in Horovod)."""
+
+
+class HorovodUnsupportedError(UserError, NotImplementedError):
+    """A Horovod feature polytrain does not provide here (also a ``NotImplementedError``)."""
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (Horovod's name, so ``except hvd.HorovodInternalError`` keeps working)."""
