@@ -64,6 +64,13 @@ class AugmentSpec:
 DATA_SOURCES = ("digits", "synthetic", "npz", "tokens", "parquet", "csv", "images", "token_file", "dataset")
 
 
+#: data fields that say how samples are read, not which: never part of the model digest
+READING_FIELDS = ("batch_size", "global_batch_size", "workers", "prefetch")
+#: data fields added after checkpoints existed: in the model digest only when set, so older checkpoints resume
+LATER_DATA_FIELDS = ("val_path", "features", "label", "classes", "shuffle_window", "image_size", "channels", "mean",
+                     "std", "augment", "dtype", "seq_len", "vocab", "factory", "transform")
+
+
 @dataclass(frozen=True)
 class DataSpec:
     name: str = rule("digits", choices=DATA_SOURCES)
@@ -220,7 +227,9 @@ class TrainSpec:
         Two specs with the same model digest can resume each other's checkpoints, on any
         backend and world size."""
         payload = self.to_dict()
-        data = {k: v for k, v in payload["data"].items() if k not in ("batch_size", "global_batch_size")}
+        default = schema.plain(DataSpec(name=self.data.name))
+        data = {k: v for k, v in payload["data"].items()
+                if k not in READING_FIELDS and not (k in LATER_DATA_FIELDS and v == default[k])}
         return schema.digest({"model": payload["model"], "data": data, "seed": payload["seed"]})
 
     @property

@@ -129,3 +129,14 @@ def test_cli_bad_spec_exit_code_2_one_line_no_traceback(tmp_path) -> None:
                               capture_output=True, text=True, timeout=60)
     assert bad_flag.returncode == 2 and len(bad_flag.stderr.strip().splitlines()) == 1
     assert "--sett" in bad_flag.stderr
+
+
+def test_model_digest_of_older_checkpoints_still_matches() -> None:
+    """Checkpoints written before the file-source fields existed record these digests (computed with the
+    code of 4e840f7); a spec that sets none of the new fields must match them, or --resume would refuse."""
+    assert spec_mod.from_dict({}).model_digest() == "57810a94a17734a1"
+    tokens = {"data": {"name": "tokens"}, "model": {"name": "transformer"}}
+    assert spec_mod.from_dict(tokens).model_digest() == "bfd7d9bff36a1483"
+    reading = spec_mod.from_dict({"data": {"workers": 0, "prefetch": 5, "batch_size": 7}})
+    assert reading.model_digest() == "57810a94a17734a1"  # how samples are read is not which samples
+    assert spec_mod.from_dict({"data": {"transform": "json:loads"}}).model_digest() != "57810a94a17734a1"
