@@ -206,7 +206,7 @@ class Trainer(TrainerCheckpoints):
             if not complete:  # stopped mid-epoch by loop.max_steps
                 break
             if (every_epochs and (epoch + 1) % every_epochs == 0 or every_steps and step % every_steps == 0
-                    or spec.checkpoint.save_last or stop):
+                    or spec.checkpoint.save_last):
                 self._save_checkpoint(here)
             if stop:
                 self.progress.line(f"early stopping after epoch {epoch + 1}: {loop.early_stopping.monitor} has not "

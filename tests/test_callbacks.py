@@ -103,6 +103,7 @@ def test_early_stopping_stops_when_the_monitor_stops_improving(tmp_path: Path) -
     assert result.stopped_early and result.epochs_done == 3 and result.global_step == 3 * PER_EPOCH
     assert records(spec, "early_stopping") == [{**records(spec, "early_stopping")[0], "epoch": 2, "step": 21}]
     assert job.be.broadcast[-1] is True  # rank 0's decision is what every rank acts on
+    assert not spec.checkpoint_dir.exists()  # no checkpointing asked for: stopping writes none
 
 
 def test_early_stopping_in_mode_min_with_min_delta(tmp_path: Path) -> None:
