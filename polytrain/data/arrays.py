@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from polytrain.data.plan import split_indices
 from polytrain.errors import SpecError
 from polytrain.protocols import DatasetInfo
 from polytrain.spec import DataSpec, TokenSpec
@@ -81,19 +82,11 @@ def token_corpus(spec: TokenSpec) -> np.ndarray:
     return seq
 
 
-def _split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    order = np.random.default_rng(seed).permutation(n)
-    n_val = int(round(n * val_fraction))
-    if n_val == n:
-        raise SpecError(f"data.val_fraction: {val_fraction} leaves no training samples")
-    return order[n_val:], order[:n_val]
-
-
 def _tokens(spec: DataSpec, seed: int) -> Dataset:
     """Next-token prediction: x is a sequence, y the same sequence shifted by one token."""
     seq = token_corpus(spec.tokens)
     x, y = seq[:, :-1], seq[:, 1:]
-    train, val = _split(len(seq), spec.val_fraction, seed)
+    train, val = split_indices(len(seq), spec.val_fraction, seed)
     info = DatasetInfo(input_shape=(spec.tokens.seq_len,), num_outputs=spec.tokens.vocab, task="next_token")
     return Dataset(x[train], y[train], x[val], y[val], info)
 
@@ -113,11 +106,7 @@ def load_dataset(spec: DataSpec, seed: int) -> Dataset:
             image_shape = tuple(x.shape[1:])
             x = x.reshape(len(x), -1)
     regression = y.dtype == np.float32
-    order = np.random.default_rng(seed).permutation(len(x))
-    n_val = int(round(len(x) * spec.val_fraction))
-    val, train = order[:n_val], order[n_val:]
-    if len(train) == 0:
-        raise SpecError(f"data.val_fraction: {spec.val_fraction} leaves no training samples")
+    train, val = split_indices(len(x), spec.val_fraction, seed)
     num_outputs = 1 if regression else int(y.max()) + 1
     info = DatasetInfo(
         input_shape=tuple(x.shape[1:]),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from polytrain.errors import SpecError
 from polytrain.spec import DataSpec
 
 
@@ -22,6 +23,16 @@ class StepPlan:
 
     micro_batches: list[np.ndarray]
     global_count: int
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, validation) indices of ``n`` samples: the first ``val_fraction`` of a permutation seeded
+    with ``seed`` are held out. The one split rule of every source."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = int(round(n * val_fraction))
+    if n_val == n:
+        raise SpecError(f"data.val_fraction: {val_fraction} leaves no training samples")
+    return order[n_val:], order[:n_val]
 
 
 def global_batch_size(spec: DataSpec, world_size: int, accum: int) -> int:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from polytrain.data.plan import shuffled
+from polytrain.data.plan import shuffled, split_indices
 from polytrain.errors import SpecError
 from polytrain.protocols import DatasetInfo
 
@@ -92,8 +92,5 @@ class Subset:
 
 def split(source: Source, val_fraction: float, seed: int) -> tuple[Subset, Subset]:
     """(train, validation): ``val_fraction`` of the samples, chosen by a permutation seeded with ``seed``."""
-    order = np.random.default_rng(seed).permutation(len(source))
-    n_val = int(round(len(source) * val_fraction))
-    if n_val == len(source):
-        raise SpecError(f"data.val_fraction: {val_fraction} leaves no training samples")
-    return Subset(source, order[n_val:]), Subset(source, order[:n_val])
+    train, val = split_indices(len(source), val_fraction, seed)
+    return Subset(source, train), Subset(source, val)
