@@ -54,12 +54,17 @@ def route_address(peer: str | None = None) -> str:
     name's address when there is no route at all."""
     if peer in LOOPBACK_NAMES:
         return "127.0.0.1"
+    try:
+        return _address_towards(peer or "192.0.2.1")
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _address_towards(host: str) -> str:
+    """The local IPv4 address of the interface on the route to ``host`` (a UDP connect sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((socket.gethostbyname(peer) if peer else "192.0.2.1", 9))
-            return str(probe.getsockname()[0])
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+        probe.connect((socket.gethostbyname(host), 9))
+        return str(probe.getsockname()[0])
 
 
 def address_for_peers(hosts: list[str]) -> str:
@@ -69,10 +74,7 @@ def address_for_peers(hosts: list[str]) -> str:
     if not peers:
         return "127.0.0.1"
     try:
-        peer_ip = socket.gethostbyname(peers[0])
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((peer_ip, 9))  # a UDP connect sends nothing; it only picks the route's interface
-            return str(probe.getsockname()[0])
+        return _address_towards(peers[0])
     except OSError:
         return hosts[0]
 
