@@ -1,11 +1,13 @@
-"""Worker for ``test_resume_matrix.py``: several resumed Trainer runs in one launched job.
+"""Worker for ``test_resume_matrix.py`` and ``test_workloads.py``: several Trainer runs in one launched job.
 
-``python resume_worker.py PLAN_JSON`` — PLAN_JSON is ``{"sets": [KEY=VALUE, ...], "runs": [{"output": DIR,
-"resume": CHECKPOINT}, ...]}``. Every rank runs ``Trainer(spec, resume=CHECKPOINT).fit()`` for each run in
-turn, with the common ``sets`` plus ``output=DIR``; rank 0 writes each run's ``metrics.jsonl`` and model.
+``python resume_worker.py PLAN_JSON`` — PLAN_JSON is ``{"sets": [KEY=VALUE, ...], "runs": [{"spec": SPEC_FILE,
+"sets": [KEY=VALUE, ...], "output": DIR, "resume": CHECKPOINT | "auto"}, ...]}``, every key but ``runs``
+optional. Every rank runs ``Trainer(spec, resume=...).fit()`` for each run in turn: the run's spec file (or
+the defaults) with the common ``sets``, the run's own ``sets`` and ``output=DIR``; rank 0 writes each run's
+``metrics.jsonl`` and model.
 
-Starting a process costs seconds (DeepSpeed's import alone several), so one launch of a target
-backend resumes from every source's checkpoint. Under torchrun the worker starts the gloo process
+Starting a process costs seconds (DeepSpeed's and TensorFlow's imports alone several), so one launch of a
+target backend resumes from every source's checkpoint, or trains every data source. Under torchrun the worker starts the gloo process
 group once and every run's backend joins it (a backend only starts a group when none exists, and
 only destroys one it started); under mpirun the ``mpi`` backend uses ``MPI_COMM_WORLD`` as usual.
 """
@@ -24,8 +26,10 @@ from polytrain.trainer import Trainer
 def main(plan_json: str) -> None:
     plan = json.loads(plan_json)
     world = detect_world()
-    specs = [spec_mod.load(None, [*plan["sets"], f"output={r['output']}"]) for r in plan["runs"]]
-    group = world.size > 1 and specs[0].framework == "torch" and specs[0].backend != "mpi"
+    specs = [spec_mod.load(r.get("spec"), [*plan.get("sets", ()), *r.get("sets", ()),
+                                            *([f"output={r['output']}"] if "output" in r else [])])
+             for r in plan["runs"]]
+    group = world.size > 1 and all(s.framework == "torch" and s.backend != "mpi" for s in specs)
     if group:
         import torch.distributed as dist
 
@@ -33,7 +37,7 @@ def main(plan_json: str) -> None:
                                 timeout=datetime.timedelta(seconds=120))
     try:
         for spec, run in zip(specs, plan["runs"]):
-            Trainer(spec, world, show_progress=False, resume=run["resume"]).fit()
+            Trainer(spec, world, show_progress=False, resume=run.get("resume")).fit()
     finally:
         if group:
             dist.destroy_process_group()

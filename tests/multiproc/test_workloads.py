@@ -12,7 +12,7 @@ factory. What is checked, and how:
    mpirun and tf-multiworker (``polytrain launch --launcher local``).
 2. Every file source reaches the validation accuracy of its in-memory twin (``digits``, ``npz``,
    ``tokens``, whose validation split is the same samples): PyTorch on 2 ranks under torchrun (one launch
-   of ``workload_runs.py`` trains all of them), TensorFlow in one process.
+   of ``resume_worker.py`` trains all of them), TensorFlow in one process.
 3. Exact mid-epoch resume per file source (images with seeded random crop and flip), 2 ranks under
    torchrun: stop at step k (``loop.max_steps``, ``checkpoint.every_n_steps``), resume with ``auto`` in a
    fresh launch without max_steps; the final model.safetensors equals the straight run's bit for bit, and so
@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]  # a module fixtu
 
 HERE = Path(__file__).resolve().parent
 CLI = ["-m", "polytrain.cli"]
-WORKER = str(HERE / "workload_runs.py")
+WORKER = str(HERE / "resume_worker.py")
 TOLERANCE = 1e-5
 PIXELS = "[" + ",".join(f"p{i}" for i in range(64)) + "]"
 
@@ -120,7 +120,7 @@ def train(job: Job, spec: Path, out: Path, sets: Sequence[str] = (), resume: str
 
 
 def run_plan(job: Job, runs: list[dict[str, Any]], timeout: float = 240) -> None:
-    """Several Trainer runs in one launch of ``workload_runs.py``."""
+    """Several Trainer runs in one launch of ``resume_worker.py``."""
     cmd, variables = job.command([WORKER, json.dumps({"runs": runs})])
     check(run(cmd, env=variables, timeout=timeout))
 
