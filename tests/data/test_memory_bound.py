@@ -26,7 +26,15 @@ pq = pytest.importorskip("pyarrow.parquet")
 PARQUET_ROWS, WIDTH, ROW_GROUP = 1_300_000, 64, 10_000  # ~400 MiB: 130 row groups of ~3 MiB
 TOKENS, SEQ_LEN = 100_000_000, 255  # 200 MB of uint16, 390k windows
 
-READER = r"""
+STATUS = r"""
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024  # MiB
+"""
+
+READER = STATUS + r"""
 import json, os, resource, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from collections import deque
@@ -37,14 +45,6 @@ from polytrain.data.plan import epoch_plan
 from polytrain.spec import DataSpec
 
 kind, path = sys.argv[1], sys.argv[2]
-
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # MiB
-
 
 if kind == "parquet":
     from polytrain.data.parquet import open_parquet as opener
@@ -120,7 +120,7 @@ def test_an_epoch_reads_a_file_larger_than_its_memory(big_files: dict[str, Path]
     assert report["growth_mb"] < size_mb / 3
 
 
-TRAINER = r"""
+TRAINER = STATUS + r"""
 import json, sys, time
 
 
@@ -130,12 +130,6 @@ from polytrain.world import World
 
 path, out = sys.argv[1], sys.argv[2]
 
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # MiB
 
 
 mlp = {"name": "mlp", "params": {"hidden_sizes": [8]}}
