@@ -129,9 +129,6 @@ from polytrain.trainer import Trainer
 from polytrain.world import World
 
 path, out = sys.argv[1], sys.argv[2]
-
-
-
 mlp = {"name": "mlp", "params": {"hidden_sizes": [8]}}
 warm_up = spec_mod.from_dict({"backend": "local", "model": mlp, "loop": {"epochs": 1}, "output": out + "/warm-up"})
 Trainer(warm_up, World(), show_progress=False).fit()  # every import and lazy start-up happens here, not below
