@@ -6,26 +6,16 @@ holds raw numbers for comparing implementations. POLYTRAIN_HOROVOD_IMPL picks th
 real Horovod.
 """
 
-import json
 import os
 import sys
 
 import torch
+from reporting import report
 
 import polytrain.horovod.torch as hvd
 
 checks = {}
 values = {}
-
-
-def report(data):
-    """Write this rank's results where the test looks (RESULT_DIR), else print them."""
-    text = json.dumps(data)
-    if os.environ.get("RESULT_DIR"):
-        with open(os.path.join(os.environ["RESULT_DIR"], f"rank{data['rank']}.json"), "w") as f:
-            f.write(text)
-    else:
-        print("RESULT " + text, flush=True)
 
 
 def check(name, got, expected, tol=1e-6):
