@@ -91,6 +91,8 @@ def test_fit_takes_a_map_style_dataset_and_separate_validation_data(tmp_path: Pa
     ({"loss": 3}, "loss: expected a loss name or a function, got int"),
     ({"loss": "hinge"}, "loss: 'hinge' is not a built-in loss"),
     ({"model": "not a model"}, "model: expected a torch.nn.Module for framework 'torch', got str"),
+    ({"train_data": (np.zeros((4, 64), np.float32), np.array([0, 1, -1, 2]))},
+     "train_data: class labels must be 0 or more, found -1..2"),
 ])
 def test_bad_arguments_are_the_spec_errors(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError) as info:

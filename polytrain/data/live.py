@@ -33,8 +33,8 @@ def _array_source(x: np.ndarray, y: np.ndarray, classes: int | None, where: str)
     x = x.reshape(len(x), -1).astype(np.float32) if x.ndim == 4 else x.astype(np.float32)
     if np.issubdtype(y.dtype, np.integer):
         if y.min() < 0 or (classes is not None and y.max() >= classes):
-            raise SpecError(f"{where}: labels must be in 0..{(classes or 0) - 1 if classes else 'classes-1'}, "
-                            f"found {int(y.min())}..{int(y.max())}")
+            allowed = f"0..{classes - 1} (data.classes {classes})" if classes is not None else "0 or more"
+            raise SpecError(f"{where}: class labels must be {allowed}, found {int(y.min())}..{int(y.max())}")
         info = DatasetInfo(input_shape=tuple(x.shape[1:]), num_outputs=classes or int(y.max()) + 1,
                            task="classification", image_shape=image_shape)  # type: ignore[arg-type]
         return ArraySource(x, y.astype(np.int64)), info
