@@ -24,17 +24,23 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _check_writable(flag: str, path: str) -> None:
-    """Fail before the work, not after it, when ``path`` cannot be written: the nearest existing
-    directory on its way must be a writable directory (the rest is created when writing)."""
-    existing = Path(path).absolute().parent
+    """Fail before the work, not after it, when ``path`` cannot be written: its directory is created and a
+    probe file written there (``os.access`` says yes to root even where nothing can be made, e.g. under /proc)."""
+    parent = Path(path).absolute().parent
+    existing = parent
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         raise UserError(f"{flag} {path}: cannot write it ({existing} is not a directory); give a path in a "
                         f"writable directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: cannot write it ({existing} is not writable); give a path in a "
-                        f"writable directory")
+    probe = parent / f".polytrain-write-test-{os.getpid()}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write it (cannot create files in {parent}: "
+                        f"{exc.strerror or exc}); give a path in a writable directory") from None
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -4,10 +4,11 @@ lost its peers, an unwritable output."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from polytrain.errors import SpecError, TrainingFailure
+from polytrain.errors import SpecError, TrainingFailure, UserError
 
 if TYPE_CHECKING:
     from polytrain.protocols import Backend
@@ -46,6 +47,51 @@ def check_writable_dir(field_name: str, path: Path) -> None:
     except OSError as exc:
         raise SpecError(f"{field_name}: cannot write to {path} ({exc.strerror or exc}); choose a writable "
                         "directory") from None
+
+
+T = TypeVar("T")
+
+
+def settled(backend: Backend, size: int, action: Callable[[], T]) -> T:
+    """Run ``action`` on this rank, then let every rank learn whether any rank's action failed.
+
+    For what one rank does alone (rank 0 writing a checkpoint, checking the output directory; one rank
+    reading a file that another cannot): without this, the ranks that did not fail would wait in their next
+    collective until its timeout. Returns this rank's result (only the outcome travels); when any rank
+    failed, every rank raises the first failure's error, with its class and its one line, so all exit
+    with the same reason and code. A failure that is not a `UserError`/`TrainingFailure`/`OSError` (a bug)
+    still tells the others, and then propagates unchanged on its own rank.
+    """
+    mine: tuple[str, str] | None = None
+    result = None
+    try:
+        result = action()
+    except (UserError, TrainingFailure) as exc:
+        mine, raised = (type(exc).__name__, str(exc)), exc
+    except OSError as exc:
+        mine, raised = ("TrainingFailure", f"{type(exc).__name__}: {exc}"), exc
+    except Exception as exc:
+        mine, raised = ("TrainingFailure", f"an internal error ({type(exc).__name__}: {exc})"), exc
+    everyone = backend.all_gather_object(mine) if size > 1 else [mine]
+    failed = [(rank, failure) for rank, failure in enumerate(everyone) if failure is not None]
+    if mine is not None:
+        raise raised
+    if failed:
+        rank, (kind, message) = failed[0]
+        cls = _error_classes().get(kind, TrainingFailure)
+        raise cls(" ".join(message.split()) if rank == 0 else f"rank {rank}: {' '.join(message.split())}")
+    return result  # type: ignore[return-value]  # set whenever no rank failed
+
+
+def _error_classes() -> dict[str, type[Exception]]:
+    """polytrain's error classes by name (those defined anywhere that is imported, e.g. CheckpointError)."""
+    found: dict[str, type[Exception]] = {}
+    todo: list[type[Exception]] = [UserError, TrainingFailure]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 def check_ranks_agree(backend: Backend, mine: dict[str, Any]) -> None:

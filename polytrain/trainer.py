@@ -25,13 +25,14 @@ from polytrain import objectives, registry
 from polytrain.data import Data, epoch_plan, eval_shard, global_batch_size, steps_per_epoch
 from polytrain.data.prefetch import Prefetcher, load_transform
 from polytrain.environments import detect_world
-from polytrain.errors import TrainingFailure
+from polytrain.errors import TrainingFailure, UserError
 from polytrain.failures import (
     check_ranks_agree,
     check_writable_dir,
     is_peer_failure,
     library_versions,
     peer_failure_detail,
+    settled,
 )
 from polytrain.metrics import MetricsLog, Progress
 from polytrain.protocols import BackendFactory, FrameworkFactory
@@ -76,8 +77,9 @@ class Trainer(TrainerCheckpoints):
         is_main = world.rank == 0
         try:  # from here on the backend is torn down whatever happens (a failed setup included)
             self.backend.setup()
-            if is_main:
-                check_writable_dir("output", Path(spec.output))
+            # rank 0 alone makes the output directory: every rank learns at once if it cannot (not at a timeout)
+            settled(self.backend, world.size, lambda: check_writable_dir("output", Path(spec.output)) if is_main
+                    else None)
             self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
             prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
             self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
@@ -169,7 +171,7 @@ class Trainer(TrainerCheckpoints):
                         loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
                     window += (loss_sum, len(x))
                 lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=world.size,
-                           steps_per_epoch=per_epoch, total_steps=total)
+                           steps_per_epoch=per_epoch, total_steps=self._horizon())
                 self._activity.set("the optimizer step", step=step + 1)
                 with timeline.span("optimizer step", "optimizer", step=step + 1):
                     if self.check_finite and not fw.grads_finite():
@@ -295,9 +297,15 @@ class Trainer(TrainerCheckpoints):
 
     # ------------------------------------------------------------------ checkpoints
     def _total_steps(self) -> int:
+        """Where this run stops: the end of ``loop.epochs``, or ``loop.max_steps`` when that comes first."""
         loop = self.spec.loop
-        total = self.per_epoch * loop.epochs
-        return total if loop.max_steps is None else min(loop.max_steps, total)
+        return min(self._horizon(), loop.max_steps or self._horizon())
+
+    def _horizon(self) -> int:
+        """The schedule's horizon: every step of ``loop.epochs``. ``loop.max_steps`` stops a run early without
+        compressing the schedule, so a run stopped there and resumed without it follows the straight run's
+        learning rates exactly."""
+        return self.per_epoch * self.spec.loop.epochs
 
     def _write_timeline(self) -> None:
         """Gather every rank's timeline events; rank 0 writes them as one Chrome trace."""
@@ -305,7 +313,17 @@ class Trainer(TrainerCheckpoints):
             meta = {"framework": self.spec.framework, "backend": self.backend.name, "world_size": self.world.size,
                     "launcher": self.world.launcher}
             everyone = self.backend.all_gather_object(self.timeline.events)
+            path = settled(self.backend, self.world.size, lambda: write_timeline_file(
+                self.timeline_path, dict(enumerate(everyone)), meta) if self.world.rank == 0 else None)
             if self.world.rank == 0:
-                path = write_chrome_trace(self.timeline_path, dict(enumerate(everyone)), metadata=meta)
                 self.progress.line(f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def write_timeline_file(path: str, events_by_rank: dict[int, Any], meta: dict[str, Any]) -> Path:
+    """Write the merged trace, or fail in one line naming --timeline (exit code 2)."""
+    try:
+        return write_chrome_trace(path, events_by_rank, metadata=meta)
+    except OSError as exc:
+        raise UserError(f"--timeline {path}: cannot write it ({exc.strerror or exc}); give a path in a writable "
+                        f"directory") from None
 

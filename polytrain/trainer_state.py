@@ -4,7 +4,6 @@ the final model. Part of `polytrain.trainer.Trainer` (a base class of it), kept 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,11 @@ from polytrain.callbacks import (
     load_callbacks,
 )
 from polytrain.data import Data
+from polytrain.environments import restart_count
 from polytrain.errors import TrainingFailure
-from polytrain.failures import library_versions
+from polytrain.failures import library_versions, settled
 from polytrain.schedule import lr_at
 from polytrain.version import __version__
-
-# Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
-RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
 
 
 @dataclass
@@ -109,8 +106,14 @@ class TrainerCheckpoints:
         root = best_root or self.spec.checkpoint_dir
         if best_root is None:
             self._last_saved = pos.step
-        if self.world.rank != 0:
-            return root / ckpt.step_dir_name(pos.step)
+        # rank 0 writes; every rank learns at once whether it could (a full disk is not a timeout elsewhere)
+        settled(self.backend, self.world.size,
+                lambda: self._write_files(pos, root, best_root, model, optimizer, rng) if self.world.rank == 0
+                else None)
+        return root / ckpt.step_dir_name(pos.step)
+
+    def _write_files(self, pos: Position, root: Path, best_root: Path | None, model: dict[str, Any],
+                     optimizer: dict[str, Any], rng: list[Any]) -> Path:
         manifest = {
             **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
             "samples_in_epoch": min(pos.step_in_epoch * self.global_batch, self.per_epoch * self.global_batch),
@@ -118,7 +121,7 @@ class TrainerCheckpoints:
             # the learning rate is a function of the step (polytrain.schedule); recorded for readers
             "lr": lr_at(max(pos.step - 1, 0), optimizer=self.spec.optimizer, schedule=self.spec.schedule,
                         world_size=self.world.size, steps_per_epoch=self.per_epoch,
-                        total_steps=self._total_steps()),
+                        total_steps=self._horizon()),
             "loss_scaler": self.framework.loss_scaler_state(),
             "early_stopping": {**self.early_stopping.state(), "stopped": self.stopped_early}
             if self.early_stopping is not None else None,
@@ -140,18 +143,20 @@ class TrainerCheckpoints:
         """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
         if self.resume:
             return self.resume
-        restarts = max(int(os.environ.get(var, "0") or 0) for var in RESTART_COUNT_VARIABLES)
-        return "auto" if restarts > 0 and self.checkpointing else None
+        return "auto" if restart_count() > 0 and self.checkpointing else None
 
     def _restore(self) -> Position:
         """Load the checkpoint named by --resume into the model and optimizer; return where to go on."""
-        target = self._resume_target()
-        found = ckpt.resolve(target, self.spec.checkpoint_dir) if self.world.rank == 0 else None
+        target, size = self._resume_target(), self.world.size
+        # rank 0 chooses, every rank reads: a failure on any rank (say, a path the others cannot see on a
+        # filesystem that is not shared) ends every rank at once with the same line
+        found = settled(self.backend, size, lambda: ckpt.resolve(target, self.spec.checkpoint_dir)
+                        if self.world.rank == 0 else None)
         path = self.backend.broadcast_object(str(found) if found else None)
         if path is None:
             self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")
             return Position()
-        manifest, tensors = ckpt.load_checkpoint(Path(path))
+        manifest, tensors = settled(self.backend, size, lambda: ckpt.load_checkpoint(Path(path)))
         if manifest.get("model_digest") != self.spec.model_digest():
             raise ckpt.CheckpointError(
                 f"--resume: {path} was written by a different model/data/seed (model digest "
@@ -187,8 +192,10 @@ class TrainerCheckpoints:
     def _save_model(self, result: TrainResult) -> None:
         state = self.framework.export_state()  # collective on sharded backends: every rank calls it
         digests = self.backend.all_gather_object(ckpt.state_digest(state))
-        if self.world.rank != 0:
-            return
+        settled(self.backend, self.world.size, lambda: self._write_model(result, state, digests)
+                if self.world.rank == 0 else None)
+
+    def _write_model(self, result: TrainResult, state: dict[str, Any], digests: list[str]) -> None:
         manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
                     "val_accuracy": result.val_accuracy, "val_loss": result.val_loss, "rank_state_digests": digests}
         try:

@@ -98,6 +98,12 @@ def env_case(id: str, env: Mapping[str, str], expect: tuple[str, ...]) -> Case:
 # ----------------------------------------------------------------------------------- checkpoints
 
 
+def _npy_file(tmp: Path, run_dir: Path) -> None:
+    import numpy as np
+
+    np.save(tmp / "x.npy", np.zeros(3))
+
+
 def _copy_checkpoint(tmp: Path, run_dir: Path, step: int = 2) -> Path:
     target = tmp / "ckpt"
     shutil.copytree(run_dir / "checkpoints" / f"step-{step:08d}", target)
@@ -211,6 +217,10 @@ CASES: tuple[Case, ...] = (
     spec_case("spec-deepspeed-offload-param-stage", "backend: deepspeed\ndeepspeed: {stage: 2, offload_param: true}\n",
               ("deepspeed.offload_param", "needs deepspeed.stage 3")),
     spec_case("spec-npz-without-path", "data: {name: npz}\n", ("data.path", "required when data.name is 'npz'")),
+    Case("spec-npz-path-is-a-npy-array", "spec",  # issue 16 item 9: was a TypeError traceback
+         ("train", "--quiet", "{tmp}/spec.yaml", "--set", "output={tmp}/out", "--set", "data.path={tmp}/x.npy"),
+         ("data.path", "x.npy is a single .npy array", "arrays named 'x' and 'y'"),
+         files={"spec.yaml": "data: {name: npz}\n"}, setup=_npy_file),
     spec_case("spec-top-level-list", "- framework: torch\n",
               ("spec: expected a table at the top level, got list", "spec.yaml must hold fields")),
     spec_case("spec-unsupported-extension", "[job]\nframework = torch\n",
@@ -268,6 +278,9 @@ CASES: tuple[Case, ...] = (
          ("unrecognized arguments: --epochs", "--set loop.epochs=", "see polytrain train --help")),
     Case("flag-train-timeline-unwritable", "flag", ("train", "--timeline", "{tmp}/file/trace.json"),
          ("--timeline", "file/trace.json", "not a directory"), files={"file": "x"}),
+    # issue 16 item 9: os.access says root may write under /proc; it was a traceback at the end of the run
+    Case("flag-train-timeline-under-proc", "flag", ("train", "--timeline", "/proc/polytrain-x/trace.json"),
+         ("--timeline /proc/polytrain-x/trace.json: cannot write it", "give a path in a writable directory")),
     Case("flag-train-resume-missing", "flag",
          ("train", "--quiet", "{tmp}/spec.yaml", "--set", "output={tmp}/out", "--resume", "{tmp}/nothing"),
          ("--resume", "nothing does not exist", "give a checkpoint directory or 'auto'"),

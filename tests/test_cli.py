@@ -114,15 +114,25 @@ def test_torch_cpp_logging_is_quiet_unless_asked(monkeypatch: pytest.MonkeyPatch
     assert os.environ.get("TORCH_CPP_LOG_LEVEL") == expected
 
 
-def test_a_bad_timeline_path_fails_before_training(tmp_path: Path, trainer: type[RecordingTrainer],
+def test_a_bad_timeline_path_fails_before_training(trainer: type[RecordingTrainer],
                                                    aborts: list[tuple[int, bool]],
-                                                   monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)
-    assert cli.main(["train", "--timeline", str(tmp_path / "a" / "t.json")]) == 2
-    assert capsys.readouterr().err == (f"polytrain: error: --timeline {tmp_path / 'a' / 't.json'}: cannot write it "
-                                       f"({tmp_path} is not writable); give a path in a writable directory\n")
+    # /proc: os.access says a root process may write there, yet nothing can be created (issue 16 item 9)
+    assert cli.main(["train", "--timeline", "/proc/polytrain-x/t.json"]) == 2
+    assert capsys.readouterr().err == ("polytrain: error: --timeline /proc/polytrain-x/t.json: cannot write it "
+                                       "(cannot create files in /proc/polytrain-x: No such file or directory); "
+                                       "give a path in a writable directory\n")
     assert trainer.made == [] and cli._trained is False and aborts == [(2, False)]
+
+
+def test_a_timeline_that_cannot_be_written_at_the_end_is_one_line(tmp_path: Path) -> None:
+    """The path checked at the start can still fail at the end (the directory removed meanwhile)."""
+    from polytrain.errors import UserError
+    from polytrain.trainer import write_timeline_file
+
+    (tmp_path / "f").write_text("a file where a directory should be")
+    with pytest.raises(UserError, match=r"^--timeline .*/f/t.json: cannot write it \(.*\); give a path"):
+        write_timeline_file(str(tmp_path / "f" / "t.json"), {0: []}, {})
 
 
 # --------------------------------------------------------------------------- exit codes

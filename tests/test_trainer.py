@@ -206,17 +206,35 @@ def test_lr_of_every_step_is_the_schedule(tmp_path: Path, max_steps: int | None)
                      loop={"epochs": 3, "max_steps": max_steps, "grad_clip_norm": 0.5})
     _, job = fit(spec, TWO)
     total = 21 if max_steps is None else 10
+    # the horizon is every step of loop.epochs; max_steps only stops early (issue 16 item 13)
     expected = [lr_at(k, optimizer=spec.optimizer, schedule=spec.schedule, world_size=2, steps_per_epoch=7,
-                      total_steps=total) for k in range(total)]
+                      total_steps=21) for k in range(total)]
     assert job.fw.calls.lrs == expected
     assert job.fw.calls.lr_steps == list(range(1, total + 1))
     peak = 0.1 * math.sqrt(2)
     assert job.fw.calls.lrs[0] == pytest.approx(peak / 7)  # warm-up over the first epoch's 7 steps
     assert job.fw.calls.lrs[6] == pytest.approx(peak)
-    span = total - 7
-    assert job.fw.calls.lrs[-1] == pytest.approx(0.001 + (peak - 0.001) * 0.5 * (1 + math.cos(math.pi * (span - 1) / span)))
+    span = 21 - 7
+    assert job.fw.calls.lrs[-1] == pytest.approx(0.001 + (peak - 0.001) * 0.5 * (1 + math.cos(math.pi * (total - 8) / span)))
     assert job.fw.calls.clip_norms == [0.5] * total
     assert [r["lr"] for r in records(spec, "step")] == [expected[r["step"] - 1] for r in records(spec, "step")]
+
+
+def test_stopping_at_max_steps_and_resuming_without_it_is_the_straight_run(tmp_path: Path) -> None:
+    """With decay cosine: the learning rates and the final weights of a run stopped at max_steps and
+    resumed without it are those of the run that never stopped (issue 16 item 13)."""
+    common = {"data": {"batch_size": 6}, "optimizer": {"lr": 0.1},
+              "schedule": {"warmup_epochs": 1, "decay": "cosine", "min_lr": 0.001}}
+    straight = make_spec(tmp_path / "straight", loop={"epochs": 3}, **common)
+    _, whole = fit(straight)
+    stopped = make_spec(tmp_path / "parts", loop={"epochs": 3, "max_steps": 10},
+                        checkpoint={"every_n_epochs": 1}, **common)
+    _, first = fit(stopped)
+    _, rest = fit(make_spec(tmp_path / "parts", loop={"epochs": 3}, checkpoint={"every_n_epochs": 1}, **common),
+                  resume="auto")
+    assert len(first.fw.calls.lrs) == 10 and rest.fw.calls.lr_steps[0] == 11
+    assert first.fw.calls.lrs + rest.fw.calls.lrs == whole.fw.calls.lrs
+    assert ckpt.state_digest(final_state(stopped)) == ckpt.state_digest(final_state(straight))
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polytrain.environments import restart_count
 from polytrain.net import is_loopback, keep_gloo_on_loopback, listening_socket
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline
@@ -103,8 +104,7 @@ def rendezvous_error(exc: BaseException, world: World, timeout_s: float) -> Exce
 
 def store_prefix() -> str:
     """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("POLYTRAIN_RESTART_COUNT") or "0"
-    return f"polytrain/restart_{restart}"
+    return f"polytrain/restart_{restart_count()}"
 
 
 class SyncAfterLastBackward:

@@ -50,12 +50,19 @@ def _synthetic(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
 
 def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as arrays:
-            if "x" not in arrays or "y" not in arrays:
-                raise SpecError(f"data.path: {path} must hold arrays named 'x' and 'y' (found: {', '.join(arrays)})")
-            x, y = arrays["x"], arrays["y"]
+        loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise SpecError(f"data.path: {path} is not a readable .npz file: {exc}") from exc
+        raise SpecError(f"data.path: {path} is not a readable .npz file: {' '.join(str(exc).split())}") from exc
+    if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy: one array, no x/y names
+        raise SpecError(f"data.path: {path} is a single .npy array; data.name npz needs an .npz archive holding "
+                        f"arrays named 'x' and 'y' (np.savez(path, x=..., y=...))")
+    with loaded as arrays:
+        if "x" not in arrays or "y" not in arrays:
+            raise SpecError(f"data.path: {path} must hold arrays named 'x' and 'y' (found: {', '.join(arrays)})")
+        try:
+            x, y = arrays["x"], arrays["y"]
+        except (OSError, ValueError) as exc:
+            raise SpecError(f"data.path: {path} is not a readable .npz file: {' '.join(str(exc).split())}") from exc
     if len(x) != len(y) or len(x) == 0:
         raise SpecError(f"data.path: x and y must have the same, non-zero length (x: {len(x)}, y: {len(y)})")
     x = x.astype(np.float32)

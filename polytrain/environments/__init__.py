@@ -4,7 +4,14 @@
 from polytrain.environments.agree import ensure_master
 from polytrain.environments.base import Environment
 from polytrain.environments.deepspeed import DeepSpeedEnvironment
-from polytrain.environments.detect import PRECEDENCE, by_launcher, detect, detect_world, environment_for
+from polytrain.environments.detect import (
+    PRECEDENCE,
+    by_launcher,
+    detect,
+    detect_world,
+    environment_for,
+    restart_count,
+)
 from polytrain.environments.horovod import HorovodGlooEnvironment, HorovodMpiEnvironment
 from polytrain.environments.lsf import LsfEnvironment
 from polytrain.environments.mpi import (
@@ -18,7 +25,7 @@ from polytrain.environments.slurm import SlurmEnvironment
 from polytrain.environments.torchrun import EnvInitEnvironment, PolytrainLocalEnvironment, TorchrunEnvironment
 
 __all__ = [
-    "PRECEDENCE", "Environment", "by_launcher", "detect", "detect_world", "ensure_master", "environment_for",
+    "PRECEDENCE", "Environment", "by_launcher", "detect", "detect_world", "ensure_master", "environment_for", "restart_count",
     "DeepSpeedEnvironment", "EnvInitEnvironment", "HorovodGlooEnvironment", "HorovodMpiEnvironment",
     "IntelMpiEnvironment", "LsfEnvironment", "MpichEnvironment", "MvapichEnvironment", "OpenMpiEnvironment",
     "PolytrainLocalEnvironment", "SingleProcessEnvironment", "SlurmEnvironment", "TorchrunEnvironment",

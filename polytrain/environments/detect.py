@@ -25,6 +25,7 @@ from polytrain.environments.mpi import (
 from polytrain.environments.single import SingleProcessEnvironment
 from polytrain.environments.slurm import SlurmEnvironment
 from polytrain.environments.torchrun import EnvInitEnvironment, PolytrainLocalEnvironment, TorchrunEnvironment
+from polytrain.errors import EnvironmentDetectionError
 from polytrain.world import World
 
 PRECEDENCE: tuple[type[Environment], ...] = (
@@ -62,3 +63,24 @@ def detect(env: Mapping[str, str]) -> World:
 def detect_world(env: Mapping[str, str] | None = None) -> World:
     """The World of this process (``env`` default: ``os.environ``)."""
     return detect(os.environ if env is None else env)
+
+
+#: Set by torchrun (TorchElastic) and by `polytrain launch --max-restarts` when they restart workers.
+RESTART_COUNT_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "POLYTRAIN_RESTART_COUNT")
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times the launcher has restarted this job's workers: the largest of the variables that
+    are set (both can be, when polytrain's local launcher runs under torchrun); 0 when none is.
+    A value that is not a non-negative integer is a one-line EnvironmentDetectionError naming it."""
+    env = os.environ if env is None else env
+    counts = [0]
+    for var in RESTART_COUNT_VARIABLES:
+        value = env.get(var, "").strip()
+        if not value:
+            continue
+        if not (value.isascii() and value.isdigit()):
+            raise EnvironmentDetectionError(f"{var}={value!r}: a restart count must be a non-negative integer "
+                                            f"(set by torchrun or polytrain launch; unset it or fix it)")
+        counts.append(int(value))
+    return max(counts)
