@@ -59,6 +59,34 @@ class DeepSpeedSpec:
             if key in self.config:
                 raise SpecError(f"deepspeed.config.{key}: not allowed; polytrain passes its own {key} "
                                 f"(set it with the spec's {'optimizer' if key == 'optimizer' else 'schedule'} table)")
+        clip = float(spec.loop.grad_clip_norm or 0.0)
+        owned = {("zero_optimization", "stage"): ("deepspeed.stage", self.stage),
+                 ("gradient_accumulation_steps",): ("loop.grad_accum_steps", spec.loop.grad_accum_steps),
+                 ("gradient_clipping",): ("loop.grad_clip_norm", clip),
+                 ("bf16", "enabled"): ("precision", spec.precision == "bf16"),
+                 ("fp16", "enabled"): ("precision", spec.precision == "fp16")}
+        for path, (field_name, expected) in owned.items():
+            check_owned(self.config, path, field_name, expected)
+        for key, flag in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
+            zero = self.config.get("zero_optimization")
+            if isinstance(zero, Mapping) and key in zero and not flag:
+                raise SpecError(f"deepspeed.config.zero_optimization.{key}: set deepspeed.{key}: true instead (the "
+                                f"spec owns whether it is on; deepspeed.config may then tune its other keys)")
+
+
+def check_owned(config: Mapping[str, Any], path: tuple[str, ...], field_name: str, expected: Any) -> None:
+    """A key of the DeepSpeed config that the spec owns may be repeated in ``deepspeed.config`` only with the
+    value the spec gives it; anything else would change the run behind the spec's checks."""
+    node: Any = config
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return
+        node = node[key]
+    same = (node is expected) if isinstance(expected, bool) else (
+        not isinstance(node, bool) and isinstance(node, (int, float)) and node == expected)
+    if not same:
+        raise SpecError(f"deepspeed.config.{'.'.join(path)}: {node!r} disagrees with {field_name} ({expected!r}); "
+                        f"the spec owns it: set {field_name} instead")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from polytrain.adapters.torch.backend import TorchBackend
-from polytrain.errors import BackendUnavailableError
+from polytrain.backend_options import check_owned
+from polytrain.errors import BackendUnavailableError, SpecError
 from polytrain.spec import TrainSpec
 
 EXTENSIONS_DIR = Path.home() / ".cache" / "polytrain" / "torch_extensions"
@@ -63,8 +64,13 @@ def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool) -> dict[str
     ds, loop, data = spec.deepspeed, spec.loop, spec.data
     accum = loop.grad_accum_steps
     micro = data.batch_size
-    if data.global_batch_size is not None:
-        micro = max(1, math.ceil(data.global_batch_size / (world_size * accum)))
+    if data.global_batch_size is not None:  # DeepSpeed's train_batch_size is the Trainer's global batch, exactly
+        micro, left = divmod(data.global_batch_size, world_size * accum)
+        if left or not micro:
+            raise SpecError(
+                f"data.global_batch_size: {data.global_batch_size} must be a multiple of world size × "
+                f"loop.grad_accum_steps = {world_size} × {accum} = {world_size * accum} on backend deepspeed "
+                f"(DeepSpeed's train_batch_size is micro-batch × accumulation × world size)")
     zero: dict[str, Any] = {"stage": ds.stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
@@ -88,7 +94,11 @@ def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool) -> dict[str
         "steps_per_print": NEVER,
         "wall_clock_breakdown": False,
     }
-    return merge(generated, ds.config)
+    merged = merge(generated, ds.config)
+    for key, field_name in (("train_micro_batch_size_per_gpu", "data.batch_size"),
+                            ("train_batch_size", "data.global_batch_size")):
+        check_owned(ds.config, (key,), field_name, generated[key])
+    return merged
 
 
 def _prepare_environment(device: torch.device) -> None:

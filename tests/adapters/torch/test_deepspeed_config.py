@@ -33,10 +33,21 @@ def test_clipping_is_pinned_off_when_the_spec_has_none() -> None:
 
 
 def test_global_batch_size_sets_the_micro_batch() -> None:
-    spec = make(data={"global_batch_size": 100}, loop={"grad_accum_steps": 2})
+    spec = make(data={"global_batch_size": 96}, loop={"grad_accum_steps": 2})
     config = deepspeed_config(spec, world_size=4, on_gpu=False)
-    assert config["train_micro_batch_size_per_gpu"] == 13  # ceil(100 / 8)
-    assert config["train_batch_size"] == 13 * 2 * 4
+    assert config["train_micro_batch_size_per_gpu"] == 12
+    assert config["train_batch_size"] == 96  # the Trainer's global batch, exactly
+
+
+def test_a_global_batch_deepspeed_cannot_take_exactly_is_refused() -> None:
+    """DeepSpeed's train_batch_size must be micro × accumulation × world: 100 samples on 4 ranks × 2
+    micro-steps has no such split, and rounding up would make DeepSpeed count 104 (issue 16 item 11)."""
+    spec = make(data={"global_batch_size": 100}, loop={"grad_accum_steps": 2})
+    with pytest.raises(SpecError) as info:
+        deepspeed_config(spec, world_size=4, on_gpu=False)
+    assert str(info.value) == ("data.global_batch_size: 100 must be a multiple of world size × loop.grad_accum_steps "
+                               "= 4 × 2 = 8 on backend deepspeed (DeepSpeed's train_batch_size is micro-batch × "
+                               "accumulation × world size)")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -64,15 +75,50 @@ def test_polytrains_optimizer_is_accepted_by_zero_even_with_offload() -> None:
 
 def test_overrides_merge_table_by_table_and_replace_anything_else() -> None:
     spec = make(deepspeed={"stage": 1, "config": {
-        "zero_optimization": {"reduce_bucket_size": 1000, "stage": 2},
-        "gradient_clipping": 2.5, "bf16": {"enabled": True}, "steps_per_print": 10, "new_key": [1, 2]}})
+        "zero_optimization": {"reduce_bucket_size": 1000, "stage": 1},  # repeating an owned key's value is fine
+        "bf16": {"enabled": False}, "steps_per_print": 10, "new_key": [1, 2]}})
     config = deepspeed_config(spec, world_size=2, on_gpu=False)
-    assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
-    assert config["gradient_clipping"] == 2.5
-    assert config["bf16"] == {"enabled": True}
+    assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}
+    assert config["bf16"] == {"enabled": False}
     assert config["steps_per_print"] == 10
     assert config["new_key"] == [1, 2]
     json.dumps(config)  # what rank 0 writes to <output>/deepspeed_config.json
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"deepspeed": {"stage": 1, "config": {"zero_optimization": {"stage": 3}}}},
+     "deepspeed.config.zero_optimization.stage: 3 disagrees with deepspeed.stage (1); the spec owns it: set "
+     "deepspeed.stage instead"),
+    ({"loop": {"grad_accum_steps": 2}, "deepspeed": {"config": {"gradient_accumulation_steps": 4}}},
+     "deepspeed.config.gradient_accumulation_steps: 4 disagrees with loop.grad_accum_steps (2)"),
+    ({"deepspeed": {"config": {"gradient_clipping": 2.5}}},
+     "deepspeed.config.gradient_clipping: 2.5 disagrees with loop.grad_clip_norm (0.0)"),
+    ({"deepspeed": {"config": {"bf16": {"enabled": True}}}}, "deepspeed.config.bf16.enabled: True disagrees with "
+     "precision (False)"),
+    ({"precision": "fp16", "deepspeed": {"stage": 0, "config": {"fp16": {"enabled": False}}}},
+     "deepspeed.config.fp16.enabled: False disagrees with precision (True)"),
+    ({"deepspeed": {"config": {"zero_optimization": {"stage": True}}}},
+     "deepspeed.config.zero_optimization.stage: True disagrees with deepspeed.stage (2)"),
+    ({"deepspeed": {"stage": 2, "config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}},
+     "deepspeed.config.zero_optimization.offload_optimizer: set deepspeed.offload_optimizer: true instead"),
+])
+def test_keys_the_spec_owns_cannot_be_overridden(raw: dict, message: str) -> None:
+    """deepspeed.config is merged last; without this, it could change the stage, accumulation or precision
+    behind the spec's checks (issue 16 item 10)."""
+    with pytest.raises(SpecError) as info:
+        make(**raw)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("key", "value", "field"), [("train_micro_batch_size_per_gpu", 8, "data.batch_size (32)"),
+                                                     ("train_batch_size", 8, "data.global_batch_size (64)")])
+def test_batch_keys_must_agree_with_the_trainer(key: str, value: int, field: str) -> None:
+    spec = make(data={"batch_size": 32}, deepspeed={"config": {key: value}})
+    with pytest.raises(SpecError, match=f"^deepspeed.config.{key}: {value} disagrees with {field}".replace(".", r"\.")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        deepspeed_config(spec, world_size=2, on_gpu=False)
+    assert deepspeed_config(make(data={"batch_size": 32}, deepspeed={"config": {"train_batch_size": 64}}),
+                            world_size=2, on_gpu=False)["train_batch_size"] == 64
 
 
 def test_merge_does_not_modify_its_inputs() -> None:
