@@ -3,10 +3,10 @@
 ``python tf_workers.py reference SPEC OUT``  — one process: the spec with 2×batch, then with
 2 micro-steps of batch (the references 2 ranks × batch must match).
 
-``python tf_workers.py parity RAW_JSON TORCH_BACKEND TF_BACKEND STEPS OUT_JSON`` — every rank builds
-the PyTorch and the TensorFlow adapter directly, gives TensorFlow PyTorch's initial weights and
-trains both on the same batches with the Trainer's own plan, schedule and loss scaling; rank 0
-writes both per-step loss curves (averaged over ranks) to OUT_JSON.
+``python tf_workers.py parity RAW_JSON TORCH_BACKEND TF_BACKEND STEPS OUT`` — every rank runs the
+Trainer, as ``polytrain train`` does, for each spec in RAW_JSON: on PyTorch, then on TensorFlow
+resumed (``--resume``) from PyTorch's initial weights imported as a step-0 checkpoint (what
+``polytrain checkpoint import`` writes from a state_dict file), STEPS steps each; see `parity`.
 
 ``python tf_workers.py exchange OUT`` — one process: a PyTorch-trained convnet evaluated in
 TensorFlow, and a TensorFlow-trained one evaluated in PyTorch.
@@ -19,14 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from polytrain import registry
 from polytrain import spec as spec_mod
+from polytrain.callbacks import RunInfo
 from polytrain.checkpoint import read_model, state_digest
-from polytrain.data import epoch_plan, global_batch_size, load_dataset, steps_per_epoch
+from polytrain.checkpoint_tools import import_weights
+from polytrain.data import load_dataset
 from polytrain.environments import detect_world
-from polytrain.schedule import lr_at
 from polytrain.trainer import Trainer
 from polytrain.world import World
 
@@ -38,62 +37,54 @@ def reference(spec_path: str, out: str) -> None:
         Trainer(spec, World(), show_progress=False).fit()
 
 
-def train_steps(fw: Any, backend: Any, spec: spec_mod.TrainSpec, data: Any, world: World, steps: int) -> list[float]:
-    """The Trainer's loop body for ``steps`` steps; the per-step mean loss over all ranks."""
-    accum = spec.loop.grad_accum_steps
-    global_batch = global_batch_size(spec.data, world.size, accum)
-    per_epoch = steps_per_epoch(len(data.x_train), global_batch)
-    losses: list[float] = []
-    epoch = 0
-    while len(losses) < steps:
-        for plan in epoch_plan(len(data.x_train), seed=spec.seed, epoch=epoch, global_batch=global_batch,
-                               world_size=world.size, rank=world.rank, accum=accum):
-            if len(losses) == steps:
-                break
-            window = np.zeros(2)
-            last = len(plan.micro_batches) - 1
-            for m, idx in enumerate(plan.micro_batches):
-                loss = fw.train_micro_step(data.x_train[idx], data.y_train[idx], world.size / plan.global_count,
-                                           sync=m == last)
-                window += (loss, len(idx))
-            lr = lr_at(len(losses), optimizer=spec.optimizer, schedule=spec.schedule, world_size=world.size,
-                       steps_per_epoch=per_epoch, total_steps=steps)
-            fw.optimizer_step(lr, spec.loop.grad_clip_norm)
-            total, count = backend.all_reduce(window)
-            losses.append(float(total / count))
-        epoch += 1
-    return losses
+class StartAndLosses:
+    """A callback that records what this rank saw: the weights it started from (a digest) and every
+    step's loss (logged every step, the same on every rank). ``init``: on rank 0, also save those
+    weights as a step-0 checkpoint there, as ``polytrain checkpoint import`` does with a state_dict file."""
+
+    def __init__(self, init: Path | None = None) -> None:
+        self.trainer: Trainer | None = None
+        self.init = init
+        self.start_digest = ""
+        self.losses: list[float] = []
+
+    def on_train_start(self, run: RunInfo) -> None:
+        state = self.trainer.framework.export_state()
+        self.start_digest = state_digest(state)
+        if self.init is not None and run.is_main:
+            import torch
+
+            weights = self.init / "initial.pt"
+            self.init.mkdir(parents=True)
+            torch.save({name: torch.from_numpy(value) for name, value in state.items()}, weights)
+            spec_file = self.init / "spec.json"
+            spec_file.write_text(json.dumps(run.spec.to_dict()))
+            import_weights(weights, spec_file, [], self.init / "checkpoints")
+
+    def on_step_end(self, run: RunInfo, step: int, logs: dict[str, Any]) -> None:
+        self.losses.append(float(logs["loss"]))
 
 
-def parity(raw_json: str, torch_backend: str, tf_backend: str, steps: str, out_json: str) -> None:
+def parity(raw_json: str, torch_backend: str, tf_backend: str, steps: str, out: str) -> None:
+    """For each run: the Trainer on PyTorch, then on TensorFlow resumed from PyTorch's initial weights
+    (a step-0 checkpoint imported from them), ``steps`` steps each, the loss logged every step. Outputs in
+    OUT/<label>/<framework>; what rank r saw in OUT/<label>/rank<r>.json."""
     runs = json.loads(raw_json)  # {"label": {spec fields}, ...}
     world = detect_world()
-    backends = {}
-    for framework, name in (("torch", torch_backend), ("tensorflow", tf_backend)):
-        spec = spec_mod.from_dict({"framework": framework, "backend": name})
-        backends[framework] = registry.create_backend(spec, world)
-        backends[framework].setup()
-    results: dict[str, Any] = {"world_size": world.size, "launcher": world.launcher,
-                               "backends": {k: b.name for k, b in backends.items()}}
     for label, raw in runs.items():
-        curves, start_digests = {}, {}
-        initial = None
-        for framework in ("torch", "tensorflow"):
-            spec = spec_mod.from_dict({**raw, "framework": framework, "backend": backends[framework].name})
-            data = load_dataset(spec.data, spec.seed)
-            fw = registry.create_framework(spec, world, backends[framework])
-            fw.build(data.info)
-            if initial is None:
-                initial = fw.export_state()
-            else:
-                fw.load_state(initial)
-            start_digests[framework] = state_digest(fw.export_state())
-            curves[framework] = train_steps(fw, backends[framework], spec, data, world, int(steps))
-        results[label] = {"curves": curves, "same_start": start_digests["torch"] == start_digests["tensorflow"]}
-    for backend in backends.values():
-        backend.teardown()
-    if world.rank == 0:
-        Path(out_json).write_text(json.dumps(results))
+        root = Path(out, label)
+        seen: dict[str, Any] = {"launcher": world.launcher, "world_size": world.size}
+        for framework, backend in (("torch", torch_backend), ("tensorflow", tf_backend)):
+            loop = {**raw.get("loop", {}), "max_steps": int(steps), "log_every_n_steps": 1}
+            spec = spec_mod.from_dict({**raw, "framework": framework, "backend": backend, "loop": loop,
+                                       "output": str(root / framework)})
+            recorder = StartAndLosses(root / "init" if framework == "torch" else None)
+            resume = str(root / "init" / "checkpoints" / "step-00000000") if framework == "tensorflow" else None
+            trainer = Trainer(spec, world, show_progress=False, resume=resume, callbacks=[recorder])
+            recorder.trainer = trainer
+            trainer.fit()
+            seen[framework] = {"start_digest": recorder.start_digest, "losses": recorder.losses}
+        Path(root, f"rank{world.rank}.json").write_text(json.dumps(seen))
 
 
 def exchange(out: str) -> None:
