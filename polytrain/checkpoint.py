@@ -8,14 +8,30 @@ Layout of ``<checkpoint.dir>``::
         model.safetensors     portable names (no ``module.``/FSDP/ZeRO prefixes)
         optimizer.safetensors ``<param name>/<state key>`` → array
     latest                    the name of the newest complete checkpoint
+    abandoned-after-step-00000040-<time>-<pid>/   step directories of a run that was rolled back
 
 A save writes ``.tmp-step-…`` first, fsyncs every file, renames it into place, and only
 then moves ``latest`` (itself replaced by rename). Older checkpoints beyond
 ``keep_last`` are removed after that. A process killed at any moment leaves the
 previous checkpoint intact, and loading verifies sizes and hashes, so a partial one is
 never taken.
-"""
 
+Re-saving a step that exists (resuming a run that had finished) replaces its directory whole: a
+crash at any moment leaves one complete checkpoint of that step (see `polytrain.checkpoint_files`).
+
+Rollback: the newest save wins, whatever its step. A run resumed from an earlier step that saves
+step S, where directories of higher steps exist, abandons those: once step S is durable (after
+``latest`` names it), they are moved into one ``abandoned-after-step-<S>-<time>-<pid>/`` directory
+under the root, which is never listed, pruned or resumed from (delete it, or move a checkpoint back
+by hand). ``keep_last`` then counts back from S, so it never removes the checkpoint just written.
+If a crash comes between moving ``latest`` and moving the abandoned steps aside, ``latest`` still
+names S and `find_latest` prefers it (then lower steps, the abandoned higher ones last); the next
+save moves them aside. Saves under ``best/`` (no ``keep_last``) are a ranked set, not a sequence,
+and abandon nothing unless asked (``abandon_future``).
+
+The final model (`write_model`): ``model.json`` records the sha256 of ``model.safetensors``, and a
+crash leaves the old pair or the new one; `read_model` refuses a mismatched pair.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -30,37 +46,16 @@ from typing import Any
 
 import numpy as np
 
+from polytrain import checkpoint_files as cf
 from polytrain.errors import UserError
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_fsync_dir, _sha256, _write_file = cf.fsync_dir, cf.sha256, cf.write_file
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used: missing, partial, corrupt, or from an incompatible spec."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _contiguous(value: np.ndarray) -> np.ndarray:
@@ -89,14 +84,11 @@ def state_digest(state: Mapping[str, np.ndarray]) -> str:
 
 
 def write_model(path: Path, state: Mapping[str, np.ndarray], manifest: Mapping[str, Any]) -> None:
-    """Write ``path/model.safetensors`` and ``path/model.json``, each replaced atomically."""
-    path.mkdir(parents=True, exist_ok=True)
-    for name, data in (("model.safetensors", _tensor_bytes(state)),
-                       ("model.json", (json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n").encode())):
-        tmp = path / f".{name}.tmp-{os.getpid()}"
-        _write_file(tmp, data)
-        os.replace(tmp, path / name)
-    _fsync_dir(path)
+    """Write ``path/model.safetensors`` and ``path/model.json`` (which records the tensors' sha256 under
+    ``safetensors_sha256``); a crash at any moment leaves the previous pair or the new one, never a mix."""
+    data = _tensor_bytes(state)
+    full = {**manifest, cf.DIGEST_KEY: hashlib.sha256(data).hexdigest()}
+    cf.write_model_pair(path, data, json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -104,22 +96,28 @@ def _one_line(exc: BaseException) -> str:
 
 
 def read_model(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Read what `write_model` wrote (no unpickling)."""
+    """Read what `write_model` wrote (no unpickling), finishing a write a crash interrupted after its
+    commit point. A ``model.json`` without ``safetensors_sha256`` (older polytrain) is read as it is."""
     from safetensors.numpy import load_file
 
     hint = "give a run's output directory with an intact model.safetensors and model.json, or a checkpoint"
+    tensors, meta = path / cf.MODEL_FILE, path / cf.MODEL_JSON
     try:
-        state = load_file(str(path / "model.safetensors"))
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint: cannot read {path / 'model.safetensors'} ({exc.strerror or exc})") from exc
-    except Exception as exc:  # safetensors raises its own error types for malformed headers
-        raise CheckpointError(f"checkpoint: {path / 'model.safetensors'} is not a valid safetensors file "
-                              f"({_one_line(exc)}); {hint}") from exc
-    try:
-        manifest = json.loads((path / "model.json").read_text())
+        manifest = json.loads(meta.read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint: {path / 'model.json'} is missing or corrupt ({_one_line(exc)}); "
-                              f"{hint}") from exc
+        raise CheckpointError(f"checkpoint: {meta} is missing or corrupt ({_one_line(exc)}); {hint}") from exc
+    digest = manifest.get(cf.DIGEST_KEY) if isinstance(manifest, dict) else None
+    try:
+        source = cf.settle_model(path, digest) if isinstance(digest, str) else tensors
+        state = load_file(str(source or tensors))
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint: cannot read {tensors} ({exc.strerror or exc})") from exc
+    except Exception as exc:  # safetensors raises its own error types for malformed headers
+        raise CheckpointError(f"checkpoint: {tensors} is not a valid safetensors file "
+                              f"({_one_line(exc)}); {hint}") from exc
+    if source is None:
+        raise CheckpointError(f"checkpoint: {tensors} does not belong with {meta} (its sha256 is not the "
+                              f"{cf.DIGEST_KEY} that model.json records: a mixed or damaged pair); {hint}")
     return state, manifest
 
 
@@ -130,11 +128,18 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
+
+
 def save_checkpoint(root: Path, step: int, tensors: Mapping[str, Mapping[str, np.ndarray]],
-                    manifest: Mapping[str, Any], keep_last: int | None = None) -> Path:
+                    manifest: Mapping[str, Any], keep_last: int | None = None, *,
+                    abandon_future: bool | None = None) -> Path:
     """Write one checkpoint atomically under ``root`` (rank 0 only); returns its directory.
 
-    ``tensors`` maps a file stem (``model``, ``optimizer``) to its name → array mapping.
+    ``tensors`` maps a file stem (``model``, ``optimizer``) to its name → array mapping. Step directories
+    above ``step`` are moved aside once this one is durable (see the module's rollback rule) when
+    ``abandon_future`` is true; by default, when ``keep_last`` is given (a run's sequence of saves).
     """
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
@@ -149,10 +154,7 @@ def save_checkpoint(root: Path, step: int, tensors: Mapping[str, Mapping[str, np
         full_manifest = {"format_version": FORMAT_VERSION, **manifest, "global_step": step, "files": files}
         _write_file(tmp / "manifest.json", json.dumps(full_manifest, indent=2, sort_keys=True, default=str).encode())
         _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        cf.swap_in(tmp, final)  # a re-save of the same step (e.g. after a resume) replaces it whole
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -160,23 +162,68 @@ def save_checkpoint(root: Path, step: int, tensors: Mapping[str, Mapping[str, np
     _write_file(pointer, (final.name + "\n").encode())
     os.replace(pointer, root / "latest")
     _fsync_dir(root)
+    if keep_last is not None if abandon_future is None else abandon_future:
+        set_aside_future(root, step)
     if keep_last is not None:
         prune(root, keep_last)
     return final
 
 
+def set_aside_future(root: Path, step: int) -> Path | None:
+    """Move every step directory above ``step`` into a new ``abandoned-after-step-…`` directory under
+    ``root``; returns it (None when there was nothing to move)."""
+    cf.recover_replaced(root)
+    future = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and _step(p) > step and p.is_dir())
+    if not future:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    aside = root / f"abandoned-after-{step_dir_name(step)}-{stamp}-{os.getpid()}"
+    aside.mkdir()
+    for path in future:
+        os.replace(path, aside / path.name)
+    _fsync_dir(aside)
+    _fsync_dir(root)
+    return aside
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint directories under ``root``, oldest first (by step)."""
+    """Complete checkpoint directories under ``root``, oldest first (by step). Finishes first a directory
+    replacement that a crash interrupted (`polytrain.checkpoint_files.recover_replaced`)."""
     if not root.is_dir():
         return []
+    cf.recover_replaced(root)
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()
              and (p / "manifest.json").is_file()]
     return [p for _, p in sorted(found)]
 
 
+def _named_by_latest(root: Path, candidates: list[Path]) -> Path | None:
+    """The checkpoint ``latest`` names, when it is among ``candidates``."""
+    try:
+        named = root / (root / "latest").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    return named if named in candidates else None
+
+
+def _newest_first(root: Path, candidates: list[Path]) -> list[Path]:
+    """``candidates`` (oldest first by step) from the newest save back: what ``latest`` names, then lower
+    steps downwards, then any higher ones (the abandoned future of a rollback not yet set aside)."""
+    named = _named_by_latest(root, candidates)
+    if named is None:
+        return list(reversed(candidates))
+    lower = [p for p in candidates if _step(p) < _step(named)]
+    higher = [p for p in candidates if _step(p) > _step(named)]
+    return [named, *reversed(lower), *reversed(higher)]
+
+
 def prune(root: Path, keep_last: int) -> None:
-    """Remove all but the newest ``keep_last`` complete checkpoints, and stale temporaries."""
-    for old in complete_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+    """Remove all but the newest ``keep_last`` complete checkpoints, and stale temporaries. The newest are
+    the one ``latest`` names and those below it: it is never removed, nor anything above it."""
+    candidates = complete_checkpoints(root)
+    named = _named_by_latest(root, candidates)
+    lineage = [p for p in candidates if named is None or _step(p) <= _step(named)]
+    for old in lineage[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(".tmp-step-*"):
         if str(os.getpid()) not in tmp.name:
@@ -208,35 +255,15 @@ def verify(path: Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file() or file.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"checkpoint: {file} is missing or truncated (expected {meta['bytes']} bytes)")
-        key, seen = file.resolve(), (_file_identity(file), meta["sha256"])
-        if _HASHED.get(key) == seen:
-            continue  # hashed a moment ago (e.g. --resume auto chose it, then it is loaded), unchanged since
-        if _sha256(file) != meta["sha256"]:
+        # hashed once while unchanged (e.g. --resume auto chose it, then it is loaded)
+        if not cf.matches(file, meta["sha256"], _sha256):
             raise CheckpointError(f"checkpoint: {file} is corrupt (sha256 does not match the manifest)")
-        _HASHED[key] = seen
     return manifest
-
-
-#: file → (identity when it last matched its manifest's hash, that hash): one read of a large file per process
-_HASHED: dict[Path, tuple[tuple[int, int, int, int], str]] = {}
-
-
-def _file_identity(file: Path) -> tuple[int, int, int, int]:
-    """What changes when a file is rewritten or replaced: inode, size, modification and change times."""
-    st = file.stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def find_latest(root: Path) -> Path | None:
     """The newest checkpoint under ``root`` that verifies, or None when there is none."""
-    candidates = complete_checkpoints(root)
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in candidates:  # prefer what `latest` names, then anything newer or older that verifies
-            candidates.remove(named)
-            candidates.append(named)
-    for path in reversed(candidates):
+    for path in _newest_first(root, complete_checkpoints(root)):
         try:
             verify(path)
             return path
