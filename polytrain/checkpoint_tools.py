@@ -34,8 +34,8 @@ def _load_any(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarra
         except ckpt.CheckpointError as exc:
             raise ckpt.CheckpointError(f"{exc}; give another checkpoint (an earlier step), or the checkpoint root "
                                        f"to take the newest one that verifies") from exc
-    if (path / "model.safetensors").is_file():
-        state, manifest = ckpt.read_model(path)
+    if (path / "model.safetensors").is_file() or (path / "model.json").is_file():  # read_model finishes a
+        state, manifest = ckpt.read_model(path)  # write that crashed after its commit point (model.json)
         return manifest, {"model": state}
     if path.is_dir() and (latest := ckpt.find_latest(path)) is not None:
         return ckpt.load_checkpoint(latest)
@@ -151,7 +151,7 @@ def _deepspeed_state(path: Path, trust: bool, tag: str | None) -> dict[str, np.n
     if not trust and deepspeed_needs_unpickling(path, tag):
         raise UserError(f"checkpoint import: {path} needs pickle to load (DeepSpeed's own loader reads ZeRO stage "
                         f"1-3 checkpoints); pass --trust-checkpoint only if you trust its source")
-    return {_plain_name(k): v for k, v in deepspeed_fp32_state(path, tag).items()}
+    return {_plain_name(k): v for k, v in deepspeed_fp32_state(path, tag, trust).items()}
 
 
 def import_weights(source: Path, spec_path: Path | None, overrides: list[str], output: Path,

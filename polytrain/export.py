@@ -6,11 +6,12 @@ This module also turns a checkpoint written by DeepSpeed itself (``engine.save_c
 e.g. with ``deepspeed.save_checkpoint: true``, or by a plain DeepSpeed script) into the
 same portable form, in one process, without the ranks that wrote it:
 
-    python -m polytrain.export deepspeed CHECKPOINT_DIR OUTPUT_DIR [--tag TAG]
+    python -m polytrain.export deepspeed CHECKPOINT_DIR OUTPUT_DIR [--tag TAG] [--trust-checkpoint]
 
 ZeRO stages 1–3 go through ``deepspeed.utils.zero_to_fp32`` (the fp32 master weights,
-shards merged, tied weights under both names; DeepSpeed's own loader unpickles its
-files, so export only checkpoints you trust); a stage-0 checkpoint holds the whole module
+shards merged, tied weights under both names); DeepSpeed's own loader unpickles their
+files, which can run any code, so they are read only with ``--trust-checkpoint``
+(``trust=True``): pass it only for checkpoints from a source you trust. A stage-0 checkpoint holds the whole module
 already and is read with ``weights_only=True``. The result is ``OUTPUT_DIR/model.safetensors`` and ``model.json``,
 readable with `polytrain.checkpoint.read_model`.
 """
@@ -54,13 +55,20 @@ def deepspeed_needs_unpickling(checkpoint_dir: str | Path, tag: str | None = Non
     return any(step_dir.glob("*optim_states.pt"))
 
 
-def deepspeed_fp32_state(checkpoint_dir: str | Path, tag: str | None = None) -> dict[str, np.ndarray]:
-    """The fp32 model weights of a DeepSpeed checkpoint (any ZeRO stage) as name → array."""
+def deepspeed_fp32_state(checkpoint_dir: str | Path, tag: str | None = None,
+                         trust: bool = False) -> dict[str, np.ndarray]:
+    """The fp32 model weights of a DeepSpeed checkpoint (any ZeRO stage) as name → array.
+
+    ZeRO 1–3 checkpoints need DeepSpeed's unpickling loader: refused unless ``trust``.
+    """
     import torch
 
     root = Path(checkpoint_dir)
     step_dir, tag = _step_dir(root, tag)
     if deepspeed_needs_unpickling(root, tag):
+        if not trust:
+            raise ExportError(f"checkpoint: {step_dir} needs pickle to load (DeepSpeed's own loader reads ZeRO stage "
+                              f"1-3 checkpoints); pass --trust-checkpoint only if you trust its source")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
@@ -76,11 +84,15 @@ def deepspeed_fp32_state(checkpoint_dir: str | Path, tag: str | None = None) -> 
     return {name: tensor.detach().float().cpu().numpy().copy() for name, tensor in state.items()}
 
 
-def export_deepspeed(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None = None) -> Path:
-    """Write ``output_dir/model.safetensors`` (+ ``model.json``) from a DeepSpeed checkpoint; returns the file."""
+def export_deepspeed(checkpoint_dir: str | Path, output_dir: str | Path, tag: str | None = None,
+                     trust: bool = False) -> Path:
+    """Write ``output_dir/model.safetensors`` (+ ``model.json``) from a DeepSpeed checkpoint; returns the file.
+
+    ``trust``: allow DeepSpeed's unpickling loader (ZeRO 1–3), for checkpoints from a trusted source only.
+    """
     from polytrain.checkpoint import write_model
 
-    state = deepspeed_fp32_state(checkpoint_dir, tag)
+    state = deepspeed_fp32_state(checkpoint_dir, tag, trust)
     manifest = {"source": str(Path(checkpoint_dir).resolve()), "format": "deepspeed",
                 "tag": _resolve_tag(Path(checkpoint_dir), tag), "dtype": "float32", "tensors": len(state)}
     write_model(Path(output_dir), state, manifest)
@@ -94,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ds.add_argument("checkpoint_dir")
     ds.add_argument("output_dir")
     ds.add_argument("--tag", default=None, help="the step folder to export (default: the one named in 'latest')")
+    ds.add_argument("--trust-checkpoint", action="store_true",
+                    help="allow unpickling ZeRO 1-3 files (only for checkpoints from a trusted source)")
     args = parser.parse_args(argv)
     try:
-        path = export_deepspeed(args.checkpoint_dir, args.output_dir, args.tag)
+        path = export_deepspeed(args.checkpoint_dir, args.output_dir, args.tag, args.trust_checkpoint)
     except UserError as exc:
         print(f"polytrain: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -120,7 +120,7 @@ def test_two_ranks_match_local(name: str, reference: tuple, tmp_path: Path) -> N
         assert config["train_micro_batch_size_per_gpu"] == 8 and config["train_batch_size"] == 32
         from polytrain.export import export_deepspeed
 
-        exported = export_deepspeed(tmp_path / "deepspeed_checkpoint", tmp_path / "exported")
+        exported = export_deepspeed(tmp_path / "deepspeed_checkpoint", tmp_path / "exported", trust=True)
         native, _ = read_model(exported.parent)
         assert set(native) == set(state)
         for key in state:

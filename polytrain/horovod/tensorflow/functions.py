@@ -1,7 +1,9 @@
 """Broadcasting variables and Python objects, gathering objects (Horovod's ``functions.py``).
 
 Works with ``tf.Variable`` and Keras 3 variables alike: values are read as tensors and
-written back with ``assign``.
+written back with ``assign``. ``broadcast_object``/``allgather_object`` unpickle what the other
+ranks of this job sent (Horovod's contract: any picklable object); the bytes never come from a
+file. tests/test_no_unpickle.py lists them.
 """
 
 from __future__ import annotations

@@ -4,9 +4,12 @@ Same commit/restore semantics as Horovod's: ``state.commit()`` saves a copy that
 failed collective (HorovodInternalError) rolls back to before the function is re-run on a
 re-initialised group. The shim also survives restarts of the whole job driven by
 ``torchrun --max-restarts``: rank 0 writes every commit to
-``$POLYTRAIN_HOROVOD_ELASTIC_DIR/state.pt`` (default ``/tmp/polytrain-elastic-<job key>``,
+``$POLYTRAIN_HOROVOD_ELASTIC_DIR/state.safetensors`` (default ``<tmp>/polytrain-elastic-<uid>-<job key>``,
 the key made from torchrun's run id and master port), and a restarted job's ``run``
 restores from it before syncing every rank from rank 0. A first start ignores the file.
+The file holds tensors and JSON, never pickle, in a directory private to the user
+(`polytrain.horovod.torch.elastic_store`): committed plain values must be numbers, strings,
+None, tensors, numpy arrays, or lists/tuples/dicts of them.
 Scaling the number of workers without a restart (horovodrun's host discovery) is not
 supported by the shim. This is the shim's module: with real Horovod, ``hvd.elastic`` is
 ``horovod.torch.elastic``.
@@ -20,7 +23,6 @@ import math
 import os
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,23 +30,12 @@ import torch
 from polytrain.horovod.common import HorovodInternalError
 from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import barrier
+from polytrain.horovod.torch.elastic_store import STATE_DIR_VARIABLE, read_state, state_dir, write_state
 from polytrain.horovod.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-
-STATE_DIR_VARIABLE = "POLYTRAIN_HOROVOD_ELASTIC_DIR"
-
-
-def state_dir(env: dict[str, str] | None = None) -> Path:
-    """Where commits persist: ``$POLYTRAIN_HOROVOD_ELASTIC_DIR`` or a per-job directory in /tmp."""
-    env = dict(os.environ) if env is None else env
-    if env.get(STATE_DIR_VARIABLE):
-        return Path(env[STATE_DIR_VARIABLE])
-    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-    key = "-".join(v for v in (run_id, env.get("MASTER_PORT", "")) if v and v != "none") or "default"
-    return Path("/tmp") / f"polytrain-elastic-{key}"
 
 
 def is_restart(env: dict[str, str] | None = None) -> bool:
@@ -113,19 +104,17 @@ class ObjectState:
         self._set_attrs()
 
     def persist(self) -> None:
-        if self._rank() != 0:
-            return
-        directory = state_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        partial = directory / f"state.pt.{os.getpid()}.tmp"
-        torch.save(self.snapshot(), partial)
-        os.replace(partial, directory / "state.pt")
+        if self._rank() == 0:
+            write_state(state_dir(), self.snapshot())
 
     def load_persisted(self) -> bool:
-        path = state_dir() / "state.pt"
-        if self._rank() != 0 or not is_restart() or not path.exists():
+        """On rank 0 of a restarted job, restore the last commit saved; whether there was one."""
+        if self._rank() != 0 or not is_restart():
             return False
-        self.load_snapshot(torch.load(path, weights_only=False))
+        snapshot = read_state(state_dir())
+        if snapshot is None:
+            return False
+        self.load_snapshot(snapshot)
         return True
 
 
@@ -247,4 +236,4 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-__all__ = ["ElasticSampler", "ObjectState", "TorchState", "run", "state_dir"]
+__all__ = ["STATE_DIR_VARIABLE", "ElasticSampler", "ObjectState", "TorchState", "run", "state_dir"]

@@ -1,4 +1,8 @@
-"""Broadcasting model and optimizer state, and Python objects (Horovod's ``functions.py`` API)."""
+"""Broadcasting model and optimizer state, and Python objects (Horovod's ``functions.py`` API).
+
+``broadcast_object``/``allgather_object`` unpickle what the other ranks of this job sent (Horovod's
+contract: any picklable object); the bytes never come from a file. tests/test_no_unpickle.py lists them.
+"""
 
 from __future__ import annotations
 

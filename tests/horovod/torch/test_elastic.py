@@ -1,6 +1,7 @@
 """hvd.elastic: commit/restore in process, and resuming a job that torchrun restarted."""
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ def test_torchrun_restart_resumes_from_the_last_commit(tmp_path):
     check(run(torchrun_cmd(2, WORKERS / "elastic_train.py", "crash", extra=("--max-restarts=1",)), env=env))
     # first attempt from scratch; rank 1 died after committing epoch 3; the restart resumed there
     assert starts(tmp_path) == [(0, 0, 0), (0, 1, 0), (1, 0, 3), (1, 1, 3)]
-    assert (tmp_path / "state" / "state.pt").exists()
+    # the commits: one safetensors file (no pickle) in a directory private to this user
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["state.safetensors"]
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
     for rank in (0, 1):
         final = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert final["restart"] == 1 and final["epochs"] == 6 and final["losses"] == 6

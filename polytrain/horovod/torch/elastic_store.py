@@ -1,0 +1,177 @@
+"""Where and how ``hvd.elastic`` keeps its commits across job restarts, with no pickle.
+
+A commit is one safetensors file, ``state.safetensors``: tensors as tensors, and the rest of the
+state (numbers, strings, None, lists, tuples, dicts) as JSON in the file's metadata, tensors named
+there by key. Reading it never runs code, whoever wrote it.
+
+The file lives in a private directory: ``$POLYTRAIN_HOROVOD_ELASTIC_DIR``, or
+``<tmp>/polytrain-elastic-<uid>-<job key>`` (a restarted job must find it again, so its name is
+fixed by the job). The directory is made with mode 0700; one that already exists is used only if
+it is a real directory (not a link), owned by this user, with no group or other permissions —
+anything else is refused, as another local user could have planted it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from polytrain.errors import UserError
+
+STATE_DIR_VARIABLE = "POLYTRAIN_HOROVOD_ELASTIC_DIR"
+STATE_FILE = "state.safetensors"
+FORMAT = "polytrain.elastic/1"
+
+
+class ElasticStateError(UserError):
+    """The commit directory is not private to this user, or the commit file is not one of ours."""
+
+
+def state_dir(env: dict[str, str] | None = None) -> Path:
+    """Where commits persist: ``$POLYTRAIN_HOROVOD_ELASTIC_DIR`` or a per-user, per-job directory in tmp."""
+    env = dict(os.environ) if env is None else env
+    if env.get(STATE_DIR_VARIABLE):
+        return Path(env[STATE_DIR_VARIABLE])
+    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
+    key = "-".join(v for v in (run_id, env.get("MASTER_PORT", "")) if v and v != "none") or "default"
+    return Path(tempfile.gettempdir()) / f"polytrain-elastic-{os.getuid()}-{key}"
+
+
+def private_dir(path: Path, create: bool = True) -> Path | None:
+    """``path`` made (mode 0700) or checked private to this user; None if absent and not ``create``."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid != os.getuid():
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):04o} (open to group/others)"
+    if problem:
+        raise ElasticStateError(
+            f"{STATE_DIR_VARIABLE}: {path} {problem}; hvd.elastic keeps its commits only in a directory owned by "
+            f"this user with mode 0700 (remove it, or set {STATE_DIR_VARIABLE} to such a directory)")
+    return path
+
+
+def write_state(directory: Path, snapshot: Any) -> Path:
+    """Save ``snapshot`` atomically as ``directory/state.safetensors``; the directory is made private."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(snapshot, tensors, "state")  # before any file exists: an unsavable value leaves none
+    data = safetensors.torch.save(tensors, metadata={"format": FORMAT, "state": json.dumps(skeleton)})
+    private_dir(directory)
+    fd, partial = tempfile.mkstemp(prefix="state.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(partial, directory / STATE_FILE)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return directory / STATE_FILE
+
+
+def read_state(directory: Path) -> Any | None:
+    """The snapshot saved in ``directory`` (checked private first), or None if there is none."""
+    if private_dir(directory, create=False) is None:
+        return None
+    path = directory / STATE_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise ElasticStateError(f"{STATE_DIR_VARIABLE}: {path} cannot be opened as a plain file ({exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read()
+    try:
+        tensors = safetensors.torch.load(data)
+        (length,) = struct.unpack("<Q", data[:8])
+        metadata = json.loads(data[8:8 + length]).get("__metadata__") or {}
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT!r}")
+        return _decode(json.loads(metadata["state"]), tensors)
+    except Exception as exc:  # safetensors, struct, json and a skeleton naming missing tensors all raise
+        raise ElasticStateError(f"{STATE_DIR_VARIABLE}: {path} is not an hvd.elastic commit "
+                                f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    """``value`` as JSON; tensors and arrays go into ``tensors`` and are named by key."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise TypeError(f"hvd.elastic: cannot persist {where}: a {value.layout} tensor (only dense tensors)")
+        key = f"t{len(tensors)}"
+        tensors[key] = value.detach().to("cpu").contiguous().clone()
+        return {"$tensor": key, "device": str(value.device)}
+    if isinstance(value, (np.ndarray, np.generic)):
+        key = f"t{len(tensors)}"
+        try:
+            tensors[key] = torch.from_numpy(np.array(value, copy=True).reshape(np.shape(value)))
+        except TypeError:  # object, string and other dtypes torch has no tensor for
+            raise TypeError(f"hvd.elastic: cannot persist {where}: a numpy {value.dtype} value has no tensor "
+                            f"dtype") from None
+        return {"$ndarray" if isinstance(value, np.ndarray) else "$npscalar": key}
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"$tuple": items}
+    if isinstance(value, dict):
+        out: dict[str, Any] = {"$dict": [[_encode(k, tensors, f"{where} key {k!r}"),
+                                          _encode(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()]}
+        metadata = getattr(value, "_metadata", None)  # module versions, kept by a state_dict's OrderedDict
+        if isinstance(value, OrderedDict) and isinstance(metadata, dict):
+            out["$metadata"] = _encode(metadata, tensors, f"{where} metadata")
+        return out
+    raise TypeError(f"hvd.elastic: cannot persist {where} (a {type(value).__name__}) across restarts without pickle; "
+                    f"commit only tensors, numpy arrays, numbers, strings, None and lists/tuples/dicts of them")
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "$tensor" in value:
+        tensor = tensors[value["$tensor"]]
+        return tensor if value["device"] == "cpu" else tensor.to(value["device"])
+    if "$ndarray" in value:
+        return tensors[value["$ndarray"]].numpy()
+    if "$npscalar" in value:
+        return tensors[value["$npscalar"]].numpy()[()]
+    if "$tuple" in value:
+        return tuple(_decode(v, tensors) for v in value["$tuple"])
+    pairs = [(_decode(k, tensors), _decode(v, tensors)) for k, v in value["$dict"]]
+    if "$metadata" not in value:
+        return dict(pairs)
+    out = OrderedDict(pairs)
+    out._metadata = _decode(value["$metadata"], tensors)  # type: ignore[attr-defined]
+    return out
+
+
+__all__ = ["ElasticStateError", "STATE_DIR_VARIABLE", "private_dir", "read_state", "state_dir", "write_state"]
