@@ -5,6 +5,11 @@ the processes directly (``local``) — from one `LaunchRequest`.
 job's free port is chosen beforehand by ``with_master_port``, so a dry run shows the real port);
 ``run(req)`` looks the binary up (the venv's ``bin/`` first, then PATH), starts
 it and returns its exit code; ``run(req, dry_run=True)`` prints what would run.
+
+When a job fails, ``polytrain launch`` says in one line which rank failed, on which host, and how
+(`failure_report`): from what the polytrain workers wrote on the run's exit board (`exit_board`) and
+from the launcher's own output, which passes through with the launcher's traceback held back unless
+``--debug`` (`launcher_output`).
 """
 
 from __future__ import annotations

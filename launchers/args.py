@@ -36,6 +36,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", metavar="PORT", help="rendezvous / MASTER_PORT (default: a free port)")
     parser.add_argument("--max-restarts", default="0", metavar="K", help="restart the workers up to K times")
     parser.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")
+    parser.add_argument(  # SUPPRESS: `polytrain --debug launch` keeps working (the subparser must not reset it)
+        "--debug", action="store_true", default=argparse.SUPPRESS,
+        help="when a rank fails, show the launcher's own traceback in full (and tracebacks for bad input)",
+    )
     parser.add_argument("--emit-sbatch", metavar="FILE", help="write a Slurm batch script instead of running")
     parser.add_argument("--emit-bsub", metavar="FILE",
                         help="write an LSF batch script (jsrun) instead of running; Slurm options map onto LSF's")
@@ -153,6 +157,7 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
             account=args.account,
             gpus_per_node=_number(args.gpus_per_node, "--gpus-per-node"),
         ),
+        debug=bool(getattr(args, "debug", False)),
     )
 
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from polytrain.errors import LaunchError
+from polytrain.launchers import exit_board
+from polytrain.launchers.failure_report import report_launcher_failure
+from polytrain.launchers.launcher_output import LauncherOutput
 from polytrain.launchers.processes import supervise
 from polytrain.net import free_port
 
@@ -76,7 +79,8 @@ class LaunchRequest:
     ``hosts`` is a sequence of ``(host, slots)``; empty means "this host".
     ``hostfile`` keeps the path the hosts came from, for launchers that take the
     file itself. ``env`` is exported to every worker. ``extra_args`` go to the
-    launcher verbatim, just before the program.
+    launcher verbatim, just before the program. ``debug`` shows the launcher's
+    own traceback in full when a rank fails (see `launcher_output`).
     """
 
     launcher: str
@@ -94,6 +98,7 @@ class LaunchRequest:
     mpi_flavour: str | None = None  # "openmpi" | "hydra" | None: ask `mpirun --version`
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
+    debug: bool = False
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHER_NAMES:
@@ -253,6 +258,11 @@ class CommandLauncher:
     Subclasses set ``name``/``binary`` and implement ``build_command`` (pure: bare
     binary name first) and optionally ``launcher_env`` (variables for the launcher
     process itself, which passes them on to the workers).
+
+    ``run`` gives the workers an exit board (`exit_board`), passes the launcher's
+    stdout and stderr on through `launcher_output` (its own traceback held back),
+    and when the launcher fails says in one line which rank failed, on which host,
+    and how (`failure_report`).
     """
 
     name = ""
@@ -281,5 +291,18 @@ class CommandLauncher:
         return text
 
     def run(self, req: LaunchRequest) -> int:
-        command = self.resolved_command(req, required=True)
-        return supervise([command], [{**os.environ, **self.launcher_env(req)}]).code
+        with exit_board.board() as board:
+            req = dataclasses.replace(req, env={**req.env, exit_board.BOARD_VARIABLE: str(board)})
+            command = self.resolved_command(req, required=True)
+            outputs = [LauncherOutput(fd, debug=req.debug) for fd in (1, 2)]
+            try:
+                with exit_board.DeathWatch(board) as watch:
+                    outcome = supervise([command], [{**os.environ, **self.launcher_env(req)}],
+                                        stdout=outputs[0].open(), stderr=outputs[1].open())
+            finally:
+                text = "\n".join(output.finish() for output in reversed(outputs))
+            if outcome.code and outcome.signal is None:
+                records = exit_board.read_board(board)
+                report_launcher_failure(self.binary_name(req), outcome.code, records, text,
+                                        watch.deaths_by_rank(records))
+        return outcome.code

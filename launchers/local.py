@@ -14,7 +14,9 @@ import sys
 from collections.abc import Callable, Mapping
 
 from polytrain.errors import LaunchError
+from polytrain.launchers import exit_board
 from polytrain.launchers.base import LaunchRequest, format_command, is_single_local_host
+from polytrain.launchers.failure_report import report_worker_failure
 from polytrain.launchers.processes import GRACE_SECONDS, supervise
 from polytrain.net import free_port
 
@@ -60,14 +62,19 @@ def run_group(
 ) -> int:
     """Start ``req.nproc`` copies of the program with ``env_factory``'s variables, restarting on failure.
 
-    Each attempt gets a fresh port (``req.master_port`` if given). Returns the exit code.
+    Each attempt gets a fresh port (``req.master_port`` if given) and a fresh exit board (`exit_board`):
+    when several workers are seen failed at once, one whose error only says it lost a peer is not the one
+    named. Returns the exit code.
     """
     base = dict(os.environ if base_env is None else base_env)
     attempt = 0
     while True:
         port = req.master_port or free_port()
-        envs = [{**base, **extra} for extra in env_factory(req, port, attempt)]
-        outcome = supervise([req.program] * req.nproc, envs, grace=grace)
+        with exit_board.board() as board:
+            envs = [{**base, **extra, exit_board.BOARD_VARIABLE: str(board)}
+                    for extra in env_factory(req, port, attempt)]
+            outcome = supervise([req.program] * req.nproc, envs, grace=grace,
+                                on_failure=lambda codes: report_worker_failure(codes, exit_board.read_board(board)))
         if outcome.code == 0 or outcome.signal is not None or attempt >= req.max_restarts:
             return outcome.code
         attempt += 1

@@ -10,6 +10,10 @@ the group reaches the worker and anything it started. The rules:
 - when a process has exited, its group is swept with SIGKILL before it is reaped,
   so no grandchild outlives the job. (While unreaped, the exited process keeps its
   pid and group id reserved, so the sweep cannot hit an unrelated process.)
+
+What is said about a failure is the caller's: ``on_failure`` gets every process's
+return code (Popen's: -N for signal N, None while running) once one has failed.
+``stdout``/``stderr`` (file descriptors) replace the ones the processes inherit.
 """
 
 from __future__ import annotations
@@ -17,10 +21,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -103,20 +106,14 @@ def _forwarding(procs: list[subprocess.Popen], received: list[int]) -> Iterator[
             signal.signal(signum, handler)
 
 
-def _report_failure(codes: Sequence[int | None], total: int) -> None:
-    """One line naming the first failed worker (its rank is its index) and how it ended."""
-    rank, returncode = next((i, c) for i, c in enumerate(codes) if c)
-    how = (f"was killed by {signal.Signals(-returncode).name}" if returncode < 0
-           else f"exited with code {returncode}")
-    print(f"polytrain launch: rank {rank} {how}; stopping the other {total - 1} worker(s)",
-          file=sys.stderr, flush=True)
-
-
 def supervise(
     commands: Sequence[Sequence[str]],
     envs: Sequence[Mapping[str, str]],
     *,
     grace: float = GRACE_SECONDS,
+    on_failure: Callable[[Sequence[int | None]], None] | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
 ) -> Outcome:
     """Run ``commands[i]`` with environment ``envs[i]`` concurrently; see the module doc."""
     if len(commands) != len(envs):
@@ -129,15 +126,16 @@ def supervise(
                 if received:
                     break
                 try:
-                    procs.append(subprocess.Popen(list(command), env=dict(env), start_new_session=True))
+                    procs.append(subprocess.Popen(list(command), env=dict(env), start_new_session=True,
+                                                  stdout=stdout, stderr=stderr))
                 except OSError as exc:
                     raise LaunchError(f"cannot start {command[0]!r}: {exc.strerror or exc}") from exc
             code, signalled_at = 0, None
             while True:
                 codes = [_reap_if_exited(proc) for proc in procs]
                 code = next((exit_code(c) for c in codes if c), 0)
-                if code and not received:
-                    _report_failure(codes, len(procs))
+                if code and not received and on_failure is not None:
+                    on_failure(codes)
                 if code or all(c is not None for c in codes):
                     break
                 if received and signalled_at is None:

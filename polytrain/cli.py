@@ -241,26 +241,48 @@ def abort_mpi_job(code: int, show_traceback: bool = False) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+def _exit_board(code: int | None = None, exc: BaseException | None = None) -> None:
+    """Under `polytrain launch` (it passes POLYTRAIN_EXIT_BOARD): record that this rank started (``code``
+    None) or how it ended, so that launch can name the rank that failed (polytrain.launchers.exit_board)."""
+    if not os.environ.get("POLYTRAIN_EXIT_BOARD"):
+        return
+    try:
+        from polytrain.launchers import exit_board
+    except ImportError:  # launchers not installed
+        return
+    if code is None:
+        exit_board.record_start()
+    else:
+        exit_board.record_end(code, exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unrecognized(args, extras)
+    _exit_board()
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        _exit_board(code)
+        return code
     except (UserError, TrainingFailure) as exc:
+        _exit_board(exc.exit_code, exc)
         if args.debug:
             raise
         print(f"polytrain: error: {exc}", file=sys.stderr, flush=True)
         abort_mpi_job(exc.exit_code)
         return exc.exit_code
     except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`: before Exception, its base class
+        _exit_board(0)
         return 0
-    except Exception:
+    except Exception as exc:
+        _exit_board(1, exc)
         abort_mpi_job(1, show_traceback=True)
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        _exit_board(130, exc)
         print("polytrain: interrupted", file=sys.stderr)
         return 130
 

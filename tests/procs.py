@@ -40,21 +40,40 @@ def loopback_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _kill_tagged(token: str) -> None:
-    """SIGKILL every process whose environment carries ``token`` (workers in sessions of their own too)."""
+def _tagged(token: str) -> dict[int, str]:
+    """The live processes whose environment carries ``token`` (workers in sessions of their own too), with
+    their command lines; a zombie's environment reads empty, so the dead are not counted."""
     needle = f"POLYTRAIN_TEST_TOKEN={token}".encode()
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             if needle in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return found
+
+
+def _kill_tagged(token: str) -> None:
+    """SIGKILL every process whose environment carries ``token``."""
+    for pid in _tagged(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             continue
 
 
+class Finished(subprocess.CompletedProcess):  # type: ignore[type-arg]
+    """A finished command, with ``left_behind``: the command lines of the processes it started that were
+    still running when it exited (``run`` kills them then; a test asserts there were none)."""
+
+    left_behind: list[str] = []
+
+
 def run(cmd: list[str], *, timeout: float = 240, env: dict[str, str] | None = None,
-        cwd: Path | str | None = None) -> subprocess.CompletedProcess[str]:
+        cwd: Path | str | None = None) -> Finished:
     """Run ``cmd`` in its own session; on timeout kill it and everything it started, and fail the test.
 
     Every process started gets a unique ``POLYTRAIN_TEST_TOKEN`` in its environment, so even workers a
@@ -64,8 +83,10 @@ def run(cmd: list[str], *, timeout: float = 240, env: dict[str, str] | None = No
     env = dict(env if env is not None else loopback_env(), POLYTRAIN_TEST_TOKEN=token)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=cwd or REPO, start_new_session=True)
+    left: dict[int, str] = {}
     try:
         out, err = proc.communicate(timeout=timeout)
+        left = _tagged(token)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # let a launcher stop its workers first
         try:
@@ -80,7 +101,9 @@ def run(cmd: list[str], *, timeout: float = 240, env: dict[str, str] | None = No
         except ProcessLookupError:
             pass
         _kill_tagged(token)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result = Finished(cmd, proc.returncode, out, err)
+    result.left_behind = sorted(left.values())
+    return result
 
 
 def check(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,233 @@
+"""The exit board: each rank's own word on how it ended, so that `polytrain launch` can name the rank that failed.
+
+Under torchrun, mpirun, srun or deepspeed, `polytrain launch` supervises one process — the launcher —
+and the exit code it sees is the launcher's, not the failed rank's. So for every run `polytrain launch`
+makes a private directory (mode 0700, removed afterwards) and passes its path to the workers in
+``POLYTRAIN_EXIT_BOARD``. Each polytrain worker (``polytrain train`` and the other commands of
+``polytrain.cli``) writes ``rank-<N>.json`` there:
+
+- when it starts: ``rank``, ``host``, ``pid``, ``start`` (wall-clock seconds);
+- when it ends, cleanly or with an error: the same plus ``end``, ``code`` (its exit code), ``reason`` (the
+  one-line error, or None) and ``peer_lost`` (true when the error only says that a collective lost a peer:
+  this rank failed because another one did).
+
+A rank with a start record and no end record ended without a word: a signal (SIGKILL, the out-of-memory
+killer), or the launcher stopping it after another rank failed. While the launcher runs, a `DeathWatch`
+notes when each such worker of this host disappears, so the first to die silently can be told from the
+ones stopped after it.
+
+The directory exists on this host only: ranks on other hosts find no board and write nothing (they are
+known from the launcher's own output, see `failure_report`). Scripts that are not polytrain workers
+write nothing either. Writes are atomic (a temporary file renamed over the record), and a worker never
+fails because the board cannot be written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+BOARD_VARIABLE = "POLYTRAIN_EXIT_BOARD"
+#: Where a worker finds its global rank: torchrun/deepspeed/local, Open MPI, MPICH/Intel MPI, PMIx, Slurm,
+#: the horovodrun fallback, LSF's jsrun — the first one set wins.
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "HOROVOD_RANK",
+                  "JSM_NAMESPACE_RANK")
+REASON_LIMIT = 300
+WATCH_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """What one rank wrote on the board."""
+
+    rank: int
+    host: str
+    pid: int
+    start: float
+    end: float | None = None
+    code: int | None = None
+    reason: str | None = None
+    peer_lost: bool = False
+
+    @property
+    def ended(self) -> bool:
+        return self.end is not None
+
+
+@contextmanager
+def board() -> Iterator[Path]:
+    """A fresh private board directory for one run; removed with everything in it afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="polytrain-launch-"))  # mkdtemp: mode 0700
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def worker_rank(env: Mapping[str, str]) -> int | None:
+    for name in RANK_VARIABLES:
+        value = env.get(name, "").strip()
+        if value:
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def _record_path(env: Mapping[str, str]) -> Path | None:
+    directory = env.get(BOARD_VARIABLE)
+    rank = worker_rank(env)
+    if not directory or rank is None or not os.path.isdir(directory):
+        return None
+    return Path(directory, f"rank-{rank}.json")
+
+
+def _write(path: Path, fields: dict[str, object]) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        temporary.write_text(json.dumps(fields))
+        os.replace(temporary, path)
+    except OSError:
+        try:
+            temporary.unlink()
+        except OSError:
+            pass
+
+
+_started_at: dict[Path, float] = {}  # this process's start records: when each was written
+
+
+def _fields(env: Mapping[str, str], path: Path) -> dict[str, object]:
+    return {"rank": worker_rank(env), "host": socket.gethostname(), "pid": os.getpid(),
+            "start": _started_at.get(path, time.time())}
+
+
+def record_start(env: Mapping[str, str] | None = None) -> None:
+    """Write this rank's start record (no-op unless this process runs under `polytrain launch` on its host)."""
+    env = os.environ if env is None else env
+    path = _record_path(env)
+    if path is None:
+        return
+    _started_at[path] = time.time()
+    _write(path, _fields(env, path))
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one short line: polytrain's own errors as the CLI prints them, others with their type."""
+    from polytrain.errors import TrainingFailure, UserError
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if not isinstance(exc, (UserError, TrainingFailure)):
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= REASON_LIMIT else text[: REASON_LIMIT - 3] + "..."
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """The error only says that a collective lost another rank (itself, or the error it was raised from)."""
+    from polytrain.failures import is_peer_failure
+
+    return is_peer_failure(exc) or (exc.__cause__ is not None and is_peer_failure(exc.__cause__))
+
+
+def record_end(code: int, exc: BaseException | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Rewrite this rank's record with how it ended: exit ``code`` and, for a failure, the one-line reason."""
+    env = os.environ if env is None else env
+    path = _record_path(env)
+    if path is None:
+        return
+    fields = _fields(env, path)
+    fields.update(end=time.time(), code=int(code), reason=None if exc is None else one_line(exc),
+                  peer_lost=bool(exc is not None and code and lost_a_peer(exc)))
+    _write(path, fields)
+
+
+def _parse(text: str) -> RankRecord | None:
+    try:
+        raw = json.loads(text)
+        record = RankRecord(rank=int(raw["rank"]), host=str(raw["host"]), pid=int(raw["pid"]),
+                            start=float(raw["start"]), end=None if raw.get("end") is None else float(raw["end"]),
+                            code=None if raw.get("code") is None else int(raw["code"]),
+                            reason=None if raw.get("reason") is None else str(raw["reason"]),
+                            peer_lost=bool(raw.get("peer_lost", False)))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return record
+
+
+def read_board(path: Path | str) -> dict[int, RankRecord]:
+    """Every readable record on the board, by rank (a malformed or half-written file is skipped)."""
+    records = {}
+    try:
+        files = sorted(Path(path).glob("rank-*.json"))
+    except OSError:
+        return {}
+    for file in files:
+        try:
+            record = _parse(file.read_text())
+        except OSError:
+            continue
+        if record is not None:
+            records[record.rank] = record
+    return records
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died, unreaped
+    except (OSError, IndexError):
+        return True
+
+
+class DeathWatch:
+    """While the launcher runs: the moment each worker of this host that left no end record disappeared.
+
+    ``deaths`` maps pid to that wall-clock time (a rank restarted by the launcher is a new pid);
+    `deaths_by_rank` gives the ranks' that died silently, to put them in the order they died (the first
+    is the likely cause, the others were stopped after it).
+    """
+
+    def __init__(self, path: Path | str, interval: float = WATCH_SECONDS) -> None:
+        self.path = Path(path)
+        self.interval = interval
+        self.deaths: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="polytrain-death-watch", daemon=True)
+        self._host = socket.gethostname()
+
+    def __enter__(self) -> DeathWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.look()
+
+    def look(self) -> None:
+        now = time.time()
+        for record in read_board(self.path).values():
+            if record.pid not in self.deaths and not record.ended and record.host == self._host \
+                    and not _alive(record.pid):
+                self.deaths[record.pid] = now
+
+    def deaths_by_rank(self, records: Mapping[int, RankRecord]) -> dict[int, float]:
+        return {rank: self.deaths[record.pid] for rank, record in records.items() if record.pid in self.deaths}
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.look()
