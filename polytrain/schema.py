@@ -34,6 +34,13 @@ def digest(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def shown(text: Any) -> str:
+    """``text`` as it goes into a one-line message: itself, or quoted with escapes when it holds a line
+    break or another character that does not print."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -103,7 +110,10 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         raise SpecError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value) if isinstance(value, float) or abs(value) < 2**1023 else math.inf
+            if not math.isfinite(number):  # NaN passes every range check; inf overflows the timeouts
+                raise SpecError(f"{where}: expected a finite number, got {value!r}")
+            return number
         raise SpecError(f"{where}: expected a number, got {value!r}{number_hint(value)}")
     if tp is str:
         if isinstance(value, str) and value:
@@ -151,7 +161,7 @@ def build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     for key in raw:
         if key not in fields:
-            where = f"{prefix}.{key}" if prefix else str(key)
+            where = f"{prefix}.{shown(key)}" if prefix else shown(key)
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise SpecError(f"{where}: unknown field{hint}; allowed: {', '.join(fields)}")

@@ -272,10 +272,17 @@ def _check_data(data: DataSpec) -> None:
             raise SpecError(f"data.{name}: required when data.name is {data.name!r}")
     for name in ("path", "val_path"):
         value = getattr(data, name)
-        if value is not None and not (glob.has_magic(value) or Path(value).exists()):
-            raise SpecError(f"data.{name}: file not found: {value}")
+        if value is not None and not (glob.has_magic(value) or _exists(value)):
+            raise SpecError(f"data.{name}: file not found: {schema.shown(value)}")
     if data.name == "npz" and data.path and not Path(data.path).is_file():
-        raise SpecError(f"data.path: file not found: {data.path}")
+        raise SpecError(f"data.path: file not found: {schema.shown(data.path)}")
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except OSError:  # a name longer than the file system allows, say: no such file either
+        return False
 
 
 def _check_tokens(spec: TrainSpec) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.errors import SpecError
+from polytrain.schema import shown
 
 
 class _DuplicateKey(ValueError):
@@ -67,8 +68,31 @@ def _yaml_problem(exc: Exception) -> str:
     return text
 
 
+def _check_numbers(data: Any, source: str) -> None:
+    """An integer too long to print (YAML and TOML read ``0x`` followed by thousands of digits) cannot be
+    named in any message, nor written to a manifest: refuse it here, in one line."""
+    stack, seen = [data], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            try:
+                str(item)
+            except ValueError:
+                raise SpecError(f"{source}: an integer of {item.bit_length()} bits is too large to be a spec "
+                                f"value") from None
+        elif isinstance(item, (Mapping, list, tuple, set)) and id(item) not in seen:  # aliases may form loops
+            seen.add(id(item))
+            stack.extend([*item.keys(), *item.values()] if isinstance(item, Mapping) else item)
+
+
 def parse_text(text: str, suffix: str, source: str = "spec") -> dict[str, Any]:
     """Parse YAML/TOML/JSON text into plain data, with a one-line error on bad syntax."""
+    data = _parse(text, suffix, source)
+    _check_numbers(data, source)
+    return data
+
+
+def _parse(text: str, suffix: str, source: str) -> Any:
     kind = suffix.lstrip(".").upper() or "YAML"
     try:
         if suffix == ".toml":
@@ -98,18 +122,19 @@ def parse_text(text: str, suffix: str, source: str = "spec") -> dict[str, Any]:
 
 def load_raw(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    name = shown(path)
     if path.suffix not in (".yaml", ".yml", ".toml", ".json"):
-        raise SpecError(f"spec: {path}: unknown file type (allowed: .yaml, .yml, .toml, .json)")
+        raise SpecError(f"spec: {name}: unknown file type (allowed: .yaml, .yml, .toml, .json)")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise SpecError(f"spec: cannot read {path}: {exc.strerror}") from exc
+        raise SpecError(f"spec: cannot read {name}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
-        raise SpecError(f"spec: {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+        raise SpecError(f"spec: {name} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
                         f"{exc.start}); save it as UTF-8") from exc
-    data = parse_text(text, path.suffix, str(path))
+    data = parse_text(text, path.suffix, name)
     if not isinstance(data, Mapping):
-        raise SpecError(f"spec: expected a table at the top level, got {type(data).__name__} ({path} must hold "
+        raise SpecError(f"spec: expected a table at the top level, got {type(data).__name__} ({name} must hold "
                         f"fields such as 'framework: torch')")
     return data
 
@@ -127,11 +152,13 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set optimizer.lr=0.1")
+        flag = f"--set {shown(key)}"
         try:
             value = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise SpecError(f"--set {key}: cannot parse value {text!r} as YAML (e.g. 3, 0.1, true, text, "
+        except Exception as exc:  # YAMLError; ValueError for an integer of thousands of digits; RecursionError
+            raise SpecError(f"{flag}: cannot parse value {text!r} as YAML (e.g. 3, 0.1, true, text, "
                             f"[64, 32] or {{name: adam}}; quote text that has brackets or colons)") from exc
+        _check_numbers(value, flag)
         node = out
         parts = key.strip().split(".")
         for i, part in enumerate(parts[:-1]):
@@ -140,7 +167,7 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
                 child = node[part] = {}
             if not isinstance(child, dict):
                 table = ".".join(parts[: i + 1])
-                raise SpecError(f"--set {key}: {table!r} is {child!r}, not a table, so it has no {parts[i + 1]!r}")
+                raise SpecError(f"{flag}: {table!r} is {child!r}, not a table, so it has no {parts[i + 1]!r}")
             node = child
         node[parts[-1]] = value
     return out

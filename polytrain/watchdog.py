@@ -28,20 +28,21 @@ class Activity:
 
     ``set("forward/backward", step=5)`` names a phase of a step; a framework adapter may then
     refine it with ``phase("backward")`` (same step) so a stall says which side of a collective
-    each rank is on.
+    each rank is on. ``clock`` stamps each change (seconds; the watchdog reads the same clock).
     """
 
-    def __init__(self, text: str = "start-up") -> None:
+    def __init__(self, text: str = "start-up", clock: Callable[[], float] = time.monotonic) -> None:
         self.text = text
         self.step: int | None = None
         self.seq = 0
-        self.since = time.monotonic()
+        self.clock = clock
+        self.since = clock()
 
     def set(self, text: str, step: int | None = None) -> None:
         self.step = step
         self.text = text if step is None else f"{text} of step {step}"
         self.seq += 1
-        self.since = time.monotonic()
+        self.since = self.clock()
 
     def phase(self, name: str) -> None:
         """A finer phase of the current step (``forward``, ``backward``)."""
@@ -138,15 +139,20 @@ def stall_message(rank: int, activity: str, seconds: float, peers: dict[int, tup
 
 
 class StallWatchdog:
-    """A daemon thread that publishes this rank's progress and warns once per stalled activity."""
+    """A daemon thread that publishes this rank's progress and warns once per stalled activity.
+
+    Time is the activity's ``clock``; ``sleep`` is how `lost_ranks` waits for heartbeats.
+    """
 
     def __init__(self, rank: int, size: int, activity: Activity, warn_after_s: float, timeout_s: float,
-                 board: PeerBoard | None, emit: Callable[[str], None] | None = None) -> None:
+                 board: PeerBoard | None, emit: Callable[[str], None] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.rank, self.size, self.activity = rank, size, activity
         self.warn_after_s, self.timeout_s = warn_after_s, timeout_s
         self.board = board
         self.emit = emit or (lambda line: print(line, file=sys.stderr, flush=True))
         self.period = min(1.0, warn_after_s / 4)
+        self.sleep = sleep
         self._stop = threading.Event()
         self._warned_seq = -1
         self._beat = 0
@@ -186,7 +192,7 @@ class StallWatchdog:
             with self._board_lock:  # one store client, two threads: one call at a time
                 first = board.read(range(self.size))
                 before = board.beats(range(self.size))
-            time.sleep(2.2 * self.period)
+            self.sleep(2.2 * self.period)
             with self._board_lock:
                 after = board.beats(range(self.size))
         except Exception:
@@ -200,7 +206,7 @@ class StallWatchdog:
             self._beat += 1
             with self._board_lock:
                 self.board.publish(self.rank, seq, text, self._beat)
-        waited = time.monotonic() - since
+        waited = self.activity.clock() - since
         if waited < self.warn_after_s or seq == self._warned_seq or seq != self.activity.seq:
             return
         self._warned_seq = seq

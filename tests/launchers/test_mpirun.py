@@ -1,3 +1,4 @@
+import io
 import sys
 
 import pytest
@@ -96,7 +97,30 @@ def test_flavour_is_detected_from_the_installed_mpirun():
     if path is None:
         pytest.skip("no mpirun here")
     assert mpirun.installed_flavour(path) in ("openmpi", "hydra")
-    assert mpirun.LAUNCHER.flavour(req(mpi_flavour=None)) == mpirun.installed_flavour(path)
+
+
+@pytest.mark.parametrize("version, flavour", [(OPENMPI5, "openmpi"), (MPICH, "hydra"), (INTEL, "hydra")])
+def test_flavour_comes_from_running_the_mpirun_found(tmp_path, monkeypatch, version, flavour):
+    """An mpirun binary that prints ``version``: the launcher runs it and builds that flavour's command."""
+    fake = tmp_path / "mpirun"
+    (tmp_path / "version.txt").write_text(version)
+    fake.write_text(f"#!/bin/sh\ncat {tmp_path / 'version.txt'}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(mpirun, "find_binary", lambda name: str(fake))
+    assert mpirun.LAUNCHER.flavour(req(mpi_flavour=None)) == flavour
+    assert mpirun.LAUNCHER.binary_name(req(mpi_flavour=None)) == {"openmpi": "mpirun", "hydra": "mpiexec"}[flavour]
+    assert mpirun.LAUNCHER.flavour(req(mpi_flavour="openmpi")) == "openmpi"  # a forced flavour runs nothing
+
+
+def test_an_mpirun_of_unknown_flavour_is_an_error_and_none_means_openmpi(tmp_path, monkeypatch):
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\necho 'some other mpirun 1.0'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(mpirun, "find_binary", lambda name: str(fake))
+    with pytest.raises(LaunchError, match=f"cannot tell which MPI {fake} belongs to.*--mpi-flavour openmpi or hydra"):
+        mpirun.LAUNCHER.flavour(req(mpi_flavour=None))
+    monkeypatch.setattr(mpirun, "find_binary", lambda name: None)
+    assert mpirun.LAUNCHER.flavour(req(mpi_flavour=None)) == "openmpi"
 
 
 def test_more_processes_than_slots_is_an_error():
@@ -109,5 +133,38 @@ def test_restarts_are_refused():
         build_command(req(max_restarts=1))
 
 
-def test_physical_cores_is_positive():
-    assert mpirun.physical_cores() >= 1
+def cpuinfo(*cpus: tuple[str, str] | None) -> str:
+    """/proc/cpuinfo text: one block per logical CPU, with (physical id, core id) or neither (some VMs)."""
+    blocks = []
+    for n, ids in enumerate(cpus):
+        lines = [f"processor\t: {n}", "model name\t: test cpu"]
+        if ids is not None:
+            lines += [f"physical id\t: {ids[0]}", f"core id\t\t: {ids[1]}"]
+        blocks.append("\n".join(lines) + "\n")
+    return "\n".join(blocks)
+
+
+@pytest.mark.parametrize("text, cores", [
+    # 2 sockets x 2 cores x 2 hyper-threads: 8 logical CPUs, 4 physical cores
+    (cpuinfo(*[(s, c) for s in "01" for c in "01" for _ in range(2)]), 4),
+    (cpuinfo(("0", "0"), ("0", "1"), ("0", "2")), 3),  # one socket, three cores, no hyper-threads
+    (cpuinfo(("0", "0"), ("1", "0")), 2),  # the same core id on two sockets is two cores
+])
+def test_physical_cores_counts_distinct_socket_core_pairs(monkeypatch, text, cores):
+    monkeypatch.setattr(mpirun, "open", lambda *a, **k: io.StringIO(text.rstrip("\n")), raising=False)
+    monkeypatch.setattr(mpirun.os, "cpu_count", lambda: 99)
+    assert mpirun.physical_cores() == cores
+
+
+def test_physical_cores_falls_back_to_the_cpu_count(monkeypatch):
+    monkeypatch.setattr(mpirun.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(mpirun, "open", lambda *a, **k: io.StringIO(cpuinfo(None, None)), raising=False)
+    assert mpirun.physical_cores() == 6  # no core ids in /proc/cpuinfo
+
+    def unreadable(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(mpirun, "open", unreadable, raising=False)
+    assert mpirun.physical_cores() == 6
+    monkeypatch.setattr(mpirun.os, "cpu_count", lambda: None)
+    assert mpirun.physical_cores() == 1  # os.cpu_count() may not know either

@@ -1,10 +1,15 @@
-"""Faults injected into real 2-rank runs: NaN losses, ranks that disagree, a rank that dies."""
+"""Faults injected into real 2-rank runs: NaN losses, ranks that disagree, a rank that dies.
+
+Each asserts how the job ends (exit codes, the one line, no process left); how long that takes is
+measured by bench/fault_timing.py.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +39,7 @@ def test_nan_loss_on_one_rank_is_seen_by_all(tmp_path: Path, policy: str) -> Non
                                      f"reliability.on_nonfinite={policy}"], NAN_RANK="1", NAN_AT="5")
     if policy == "stop":
         assert result.returncode != 0
-        lines = [line for line in result.stderr.splitlines() if "NaN/Inf" in line]
+        lines = [line for line in result.stderr.splitlines() if line.startswith("polytrain: error: ")]
         assert len(lines) == 2, result.stderr  # both ranks stop, each with one line naming the step
         assert all(line.startswith("polytrain: error: step 5: the loss or a gradient is NaN/Inf") for line in lines)
         assert "Traceback" not in result.stderr
@@ -49,45 +54,29 @@ def test_nan_loss_on_one_rank_is_seen_by_all(tmp_path: Path, policy: str) -> Non
 
 
 def test_ranks_with_different_specs_fail_at_startup_on_every_rank(tmp_path: Path) -> None:
-    """Two ranks started by hand (torchrun-style variables) with different learning rates."""
-    import subprocess
-
-    port = free_port()
-    procs = []
+    """Two ranks started by hand (torchrun-style variables) with different learning rates: each fails
+    (exit 1) with the startup check's line naming rank 1, and neither trains."""
+    commands = []
     for rank, lr in ((0, "0.1"), (1, "0.2")):
-        env = loopback_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                           MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([*CLI, "train", "--quiet", "--set", f"optimizer.lr={lr}", "--set",
-                                       f"output={tmp_path}"], env=env, stderr=subprocess.PIPE, text=True))
-    start = time.monotonic()
-    errors = []
-    try:
-        for proc in procs:
-            errors.append(proc.communicate(timeout=120)[1])
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert time.monotonic() - start < 120
-    for proc, err in zip(procs, errors):
-        assert proc.returncode == 1, err
-        assert err.strip().splitlines()[-1].startswith("polytrain: error: startup check: rank 1's spec digest")
+        args = [*CLI, "train", "--quiet", "--set", f"optimizer.lr={lr}", "--set", f"output={tmp_path / str(rank)}"]
+        commands.append(f"RANK={rank} LOCAL_RANK={rank} {shlex.join(args)} 2>{tmp_path / f'rank{rank}.err'}")
+    env = loopback_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(free_port()))
+    result = run(["sh", "-c", f"{commands[0]} & p0=$!; {commands[1]} & p1=$!; wait $p0; echo rank0 exit $?; "
+                               f"wait $p1; echo rank1 exit $?"], env=env, timeout=120)
+    assert re.findall(r"rank\d exit \d+", result.stdout) == ["rank0 exit 1", "rank1 exit 1"], result.stdout
+    for rank in (0, 1):
+        err = (tmp_path / f"rank{rank}.err").read_text()
+        assert err.strip().splitlines()[-1].startswith("polytrain: error: startup check: rank 1's spec digest"), err
+        assert "Traceback" not in err
+        assert not (tmp_path / str(rank) / "model.json").exists()
+    assert result.left_behind == []
 
 
-def test_a_dead_rank_fails_the_job_quickly_and_leaves_nothing(tmp_path: Path) -> None:
-    """Rank 1 is SIGKILLed mid-step: the launcher names it, exits non-zero, and no worker is left."""
-    start = time.monotonic()
+def test_a_dead_rank_fails_the_job_and_leaves_nothing(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed mid-step: the launcher names it, exits non-zero, and no worker outlives it."""
     result = launch_local(tmp_path, ["model.name=faulty_model:make", "loop.epochs=2", f"output={tmp_path / 'o'}"],
                           FAULT_RANK="1", FAULT_AT="7")
-    elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert "polytrain launch: rank 1 was killed by SIGKILL; stopping the other 1 worker(s)" in result.stderr
-    assert elapsed < 90
-    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _mentions(p, str(tmp_path))]
-    assert leftovers == []
-
-
-def _mentions(proc_dir: Path, text: str) -> bool:
-    try:
-        return text.encode() in (proc_dir / "cmdline").read_bytes()
-    except OSError:
-        return False
+    assert not (tmp_path / "o" / "model.json").exists()
+    assert result.left_behind == []
