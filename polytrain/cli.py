@@ -55,32 +55,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from polytrain.trainer import Trainer
 
+    global _started, _trained
+    _started = True
     Trainer(spec, show_progress=not args.quiet, resume=args.resume, timeline=args.timeline,
             verbose=args.verbose).fit()
-    global _trained
     _trained = True
     return 0
 
 
+_started = False  # a training run began here: collectives may have run (and left threads behind)
 _trained = False  # a training run finished here: its outputs are written and its process group is gone
 
 
 def run() -> NoReturn:
     """The process entry point (console script and ``python -m polytrain.cli``)."""
     code = main()
-    if code == 0 and _trained:
-        exit_after_training()
+    if _started:
+        exit_after_training(code)
     sys.exit(code)
 
 
-def exit_after_training() -> NoReturn:
-    """End a process whose training run succeeded, without the interpreter's final teardown.
+def exit_after_training(code: int = 0) -> NoReturn:
+    """End a process whose training run began, with ``code``, without the interpreter's final teardown.
 
     A gloo worker thread may still be releasing the last collective's tensors; once the interpreter is
     finalizing, that thread cannot take the GIL to do so and aborts the process (SIGABRT, "terminate
-    called without an active exception"), turning a finished run into a failed rank. Everything the run
-    wrote is flushed and closed by then; the exit handlers (Horovod's shutdown, TensorBoard, ...) and
-    MPI's finalize still run here, while the interpreter is alive.
+    called without an active exception"), turning a finished run into a failed rank, or a rank's one-line
+    failure into a crash. Everything the run wrote is flushed and closed by then; the exit handlers
+    (Horovod's shutdown, TensorBoard, ...) and MPI's finalize still run here, while the interpreter is alive.
     """
     import atexit
 
@@ -93,7 +95,7 @@ def exit_after_training() -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more can be said there
             pass
-    os._exit(0)
+    os._exit(code)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
