@@ -28,7 +28,7 @@ class FSDPSpec:
     sharding: str = rule("full_shard", choices=FSDP_SHARDING)
     # Module classes (class name or module.QualName) sharded as units; null: the blocks the model declares.
     units: tuple[str, ...] | None = None
-    activation_checkpointing: bool = False  # recompute each unit's activations in the backward pass
+    activation_checkpointing: bool = False  # an alias of the top-level activation_checkpointing (same units)
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
     reduce_fp32: bool = True  # with precision bf16/fp16: reduce gradients in fp32 (else in the compute dtype)
 

@@ -184,6 +184,17 @@ class ReliabilitySpec:
     startup_check: bool = True  # compare spec digest, parameters and library versions across ranks
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """``torch.compile`` of the model (PyTorch only), applied where each backend needs it."""
+
+    enabled: bool = False
+    mode: str = rule("default", choices=COMPILE_MODES)  # torch.compile's mode (reduce-overhead: CUDA graphs)
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     framework: str = rule("torch", choices=FRAMEWORKS)
@@ -194,6 +205,10 @@ class TrainSpec:
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     loop: LoopSpec = field(default_factory=LoopSpec)
     precision: str = rule("fp32", choices=PRECISIONS)
+    # PyTorch: recompute each declared block's activations in the backward pass (the model's block_classes;
+    # under fsdp its units), on every backend; fsdp.activation_checkpointing is an alias
+    activation_checkpointing: bool = False
+    compile: CompileSpec = field(default_factory=CompileSpec)
     # a built-in loss (cross_entropy, mse, bce, next_token) or package.module:function(outputs, targets) -> one
     # loss per sample; null: the task's (cross_entropy, mse, next_token)
     loss: str | None = None
@@ -256,6 +271,7 @@ def _check_combinations(spec: TrainSpec) -> None:
         raise SpecError(f"schedule.warmup_epochs: {spec.schedule.warmup_epochs!r} exceeds loop.epochs {spec.loop.epochs}")
     _check_tokens(spec)
     _check_backend_options(spec)
+    _check_torch_only(spec)
 
 
 def _check_data(data: DataSpec) -> None:
@@ -293,6 +309,25 @@ def _check_tokens(spec: TrainSpec) -> None:
     if token_data and spec.model.name in ("mlp", "convnet"):
         raise SpecError(f"data.name: {spec.data.name!r} needs model.name 'transformer' or a factory, "
                         f"not {spec.model.name!r}")
+
+
+def _check_torch_only(spec: TrainSpec) -> None:
+    """Activation checkpointing and compile: PyTorch's, on blocks the model declares."""
+    if spec.compile.mode != "default" and not spec.compile.enabled:
+        raise SpecError(f"compile.mode: only used with compile.enabled: true (got mode {spec.compile.mode!r})")
+    if spec.framework == "tensorflow":
+        if spec.activation_checkpointing:
+            raise SpecError("activation_checkpointing: PyTorch-only; framework 'tensorflow' has no equivalent here "
+                            "(remove it, or use framework 'torch')")
+        if spec.compile.enabled:
+            raise SpecError("compile.enabled: torch.compile is PyTorch-only; framework 'tensorflow' already runs "
+                            "its step as a compiled tf.function (remove it, or use framework 'torch')")
+    checkpointing = spec.activation_checkpointing or spec.fsdp.activation_checkpointing
+    if checkpointing and spec.model.name in ("mlp", "convnet") and spec.fsdp.units is None:
+        which = "activation_checkpointing" if spec.activation_checkpointing else "fsdp.activation_checkpointing"
+        raise SpecError(f"{which}: model {spec.model.name!r} declares no blocks to checkpoint; use model "
+                        "'transformer', a factory whose model has block_classes, or name classes in fsdp.units "
+                        "(backend fsdp)")
 
 
 def _check_backend_options(spec: TrainSpec) -> None:

@@ -226,6 +226,12 @@ class TorchBackend:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def compile_model(self, model: nn.Module, mode: str) -> None:
+        """``torch.compile`` (spec ``compile``) the wrapped model in place: here the model itself."""
+        from polytrain.adapters.torch.execution import compile_module
+
+        compile_module(self.unwrap(model), mode)
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 

@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.execution import compile_module
 from polytrain.timeline import COLLECTIVES
 
 
@@ -40,6 +41,11 @@ class DDPBackend(TorchBackend):
             return future.value()
 
         return default_hooks.allreduce_hook(state, bucket).then(done)
+
+    def compile_model(self, model: nn.Module, mode: str) -> None:
+        """The DDP module, in place: dynamo splits its graph at DDP's gradient buckets (DDPOptimizer), so
+        each bucket's all-reduce still starts during the backward pass."""
+        compile_module(model, mode)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -185,6 +185,10 @@ class DeepSpeedBackend(TorchBackend):
         if shared and hasattr(optimizer, "_link_all_hp_params"):
             optimizer._link_all_hp_params()  # the per-parameter views of the master (as DeepSpeed does on reload)
 
+    def compile_model(self, model: nn.Module, mode: str) -> None:
+        """DeepSpeed's own ``engine.compile``: the engine's module, in place, with ZeRO's hooks kept eager."""
+        self.engine.compile(compile_kwargs={"mode": mode})
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
 

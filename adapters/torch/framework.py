@@ -12,6 +12,7 @@ import torch
 
 from polytrain import objectives
 from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.execution import check_compiler, checkpoint_blocks, checkpointing_on
 from polytrain.adapters.torch.models import build_model
 from polytrain.adapters.torch.objectives import evaluation, loss_fn, metric_fns
 from polytrain.errors import SpecError
@@ -68,8 +69,13 @@ class TorchFramework:
             model = _live_model(self.user.model, self.backend).to(self.device)
         else:
             model = _build_model(self.spec.model.name, self.spec.model.params, info).to(self.device)
+        if checkpointing_on(self.spec):  # before the backend wraps it: the same blocks on every backend
+            checkpoint_blocks(self.spec, model)
         optimizer = make_optimizer(self.spec.optimizer, model.parameters())
         self.model, self.optimizer = self.backend.wrap(model, optimizer)
+        if self.spec.compile.enabled:  # where the backend's layout needs it (see adapters/torch/execution.py)
+            check_compiler(self.device)
+            self.backend.compile_model(self.model, self.spec.compile.mode)
         torch.manual_seed(self.spec.seed + self.world.rank)  # per-rank randomness from here on
         self.loss_name = objectives.loss_name(self.spec.loss, info.task)
         self.loss = loss_fn(self.loss_name, self.user.loss)  # one value per sample
@@ -143,7 +149,9 @@ class TorchFramework:
         model = self.backend.unwrap(self.model)
         model.eval()
         xb, yb = self._tensors(x, y)
-        with self._autocast():
+        # compile (spec) covers the training step; validation runs eager (no second compile for eval mode)
+        eager = torch.compiler.set_stance("force_eager") if self.spec.compile.enabled else contextlib.nullcontext()
+        with self._autocast(), eager:
             out = model(xb)
         return evaluation(self.loss_name, self.loss, self.metric_fns, out, yb)
 

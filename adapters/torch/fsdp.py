@@ -13,8 +13,9 @@ Sharding strategies (``fsdp.sharding``), as device meshes and ``reshard_after_fo
   its own; use ``ddp`` when you want DDP's bucketed implementation).
 
 Units: every module of the classes named in ``fsdp.units`` (default: the model's
-``block_classes``) is sharded on its own, then the root; activation checkpointing
-recomputes those units in the backward pass. ``fully_shard`` replaces the model's
+``block_classes``) is sharded on its own, then the root; activation checkpointing (the spec's
+``activation_checkpointing``, or its alias ``fsdp.activation_checkpointing``) recomputes those
+units in the backward pass (applied before sharding, see `execution.checkpoint_blocks`). ``fully_shard`` replaces the model's
 parameters with DTensors, so `wrap` builds the spec's optimizer again over them.
 """
 
@@ -29,10 +30,12 @@ import torch
 from torch import nn
 
 from polytrain.adapters.torch.backend import TorchBackend, check_fp16_runs
+from polytrain.adapters.torch.execution import block_modules, compile_module, find_unit_classes
 from polytrain.errors import SpecError
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RESHARD_AFTER_FORWARD = {"full_shard": True, "shard_grad_op": False, "hybrid_shard": True, "no_shard": False}
+__all__ = ["FSDPBackend", "MIXED_DTYPES", "RESHARD_AFTER_FORWARD", "find_unit_classes", "mesh_shape"]
 
 
 def mesh_shape(sharding: str, size: int, num_nodes: int, local_size: int) -> tuple[int, ...]:
@@ -45,21 +48,6 @@ def mesh_shape(sharding: str, size: int, num_nodes: int, local_size: int) -> tup
     if sharding == "no_shard":
         return (size, 1)
     return (size,)
-
-
-def find_unit_classes(model: nn.Module, names: tuple[str, ...] | None) -> tuple[type[nn.Module], ...]:
-    """The module classes to shard as units: named ones (class name or module.QualName), else the model's own."""
-    if names is None:
-        return tuple(getattr(model, "block_classes", ()))
-    present = {type(m) for m in model.modules()} - {type(model)}
-    chosen: list[type[nn.Module]] = []
-    for name in names:
-        matches = [c for c in present if name in (c.__name__, f"{c.__module__}.{c.__qualname__}")]
-        if not matches:
-            known = ", ".join(sorted({c.__name__ for c in present})) or "none"
-            raise SpecError(f"fsdp.units: no module of class {name!r} in the model (its classes: {known})")
-        chosen.extend(matches)
-    return tuple(dict.fromkeys(chosen))
 
 
 class FSDPBackend(TorchBackend):
@@ -101,25 +89,23 @@ class FSDPBackend(TorchBackend):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         from torch.distributed.fsdp import fully_shard
 
-        fsdp = self.spec.fsdp
-        classes = find_unit_classes(model, fsdp.units)
-        units = [m for m in model.modules() if m is not model and isinstance(m, classes)]
-        if fsdp.activation_checkpointing:
-            if not units:
-                raise SpecError("fsdp.activation_checkpointing: the model declares no blocks to checkpoint; "
-                                "name their classes in fsdp.units")
-            from torch.distributed._composable import checkpoint  # keeps parameter names (no wrapper module)
-
-            for unit in units:
-                checkpoint(unit)
+        units = block_modules(model, self.spec.fsdp.units)  # checkpointed already when asked (framework.build)
         options = self._shard_options()
         for unit in reversed(units):  # innermost first, as fully_shard requires
             fully_shard(unit, **options)
         fully_shard(model, **options)
+        self._units = units
         from polytrain.adapters.torch.framework import make_optimizer
 
         # The given optimizer points at the replaced (unsharded) parameters: build the spec's over the new ones.
         return model, make_optimizer(self.spec.optimizer, model.parameters())
+
+    def compile_model(self, model: nn.Module, mode: str) -> None:
+        """Each unit, then the root, in place: FSDP2's all-gather and reduce-scatter hooks run around the
+        compiled regions (dynamo leaves FSDP hooks eager), so they keep their overlap with compute."""
+        for unit in getattr(self, "_units", []):
+            compile_module(unit, mode)
+        compile_module(model, mode)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
