@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,32 +44,22 @@ def _resident_kib(field: str) -> int:
 
 def worker(checkpointing: bool, layers: int, steps: int, measure: str) -> dict[str, float]:
     """``measure``: "memory" (saved tensors and the peak) or "time" (no hooks, malloc as usual)."""
-    import numpy as np
     import torch
+    from lm_job import open_lm_job
 
-    from polytrain import registry
-    from polytrain import spec as spec_mod
-    from polytrain.protocols import DatasetInfo
     from polytrain.world import World
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    raw = {"backend": "local", "output": tempfile.mkdtemp(prefix="polytrain-ac-"),
-           "activation_checkpointing": checkpointing,
-           "model": {"name": "transformer", "params": {"d_model": 256, "n_heads": 8, "n_layers": layers}},
-           "optimizer": {"name": "adam", "lr": 1e-3},
-           "data": {"name": "tokens", "batch_size": BATCH, "tokens": {"vocab": VOCAB, "seq_len": SEQ}}}
-    spec = spec_mod.from_dict(raw)
-    backend = registry.create_backend(spec, World())
-    backend.setup()
-    fw = registry.create_framework(spec, World(), backend)
-    fw.build(DatasetInfo(input_shape=(SEQ,), num_outputs=VOCAB, task="next_token"))
+    job = open_lm_job({"backend": "local", "activation_checkpointing": checkpointing}, prefix="polytrain-ac-",
+                      world=World(), lm={"d_model": 256, "n_heads": 8, "n_layers": layers}, vocab=VOCAB, seq=SEQ,
+                      batch=BATCH)
+    backend, fw = job.backend, job.fw
     model = backend.unwrap(fw.model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    rng = np.random.default_rng(0)
     cuda = fw.device.type == "cuda"
     times, saved_bytes, peaks = [], [], []
     for step in range(WARMUP + steps):
-        x, y = rng.integers(0, VOCAB, (BATCH, SEQ)), rng.integers(0, VOCAB, (BATCH, SEQ))
+        x, y = job.tokens()
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:

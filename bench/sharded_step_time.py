@@ -18,13 +18,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from lm_job import BATCH, LM, SEQ, VOCAB, open_lm_job  # bench/, first on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
-NPROC, BATCH, WARMUP = 2, 8, 3
-LM = {"d_model": 256, "n_heads": 8, "n_layers": 4}
-VOCAB, SEQ = 1024, 64
+NPROC, WARMUP = 2, 3
 BACKENDS = {
     "ddp": {"backend": "ddp"},
     "fsdp full_shard": {"backend": "fsdp", "fsdp": {"sharding": "full_shard"}},
@@ -36,33 +35,9 @@ BACKENDS = {
 
 
 def worker(name: str, steps: int, out_file: str) -> None:
-    import numpy as np
-
-    from polytrain import registry
-    from polytrain import spec as spec_mod
-    from polytrain.environments import detect_world
-    from polytrain.protocols import DatasetInfo
-
-    world = detect_world()
-    raw = {**BACKENDS[name], "output": tempfile.mkdtemp(prefix="polytrain-steptime-"),
-           "model": {"name": "transformer", "params": LM}, "optimizer": {"name": "adam", "lr": 1e-3},
-           "data": {"name": "tokens", "batch_size": BATCH, "tokens": {"vocab": VOCAB, "seq_len": SEQ}}}
-    spec = spec_mod.from_dict(raw)
-    backend = registry.create_backend(spec, world)
-    backend.setup()
-    fw = registry.create_framework(spec, world, backend)
-    fw.build(DatasetInfo(input_shape=(SEQ,), num_outputs=VOCAB, task="next_token"))
-    rng = np.random.default_rng(world.rank)
-    times = []
-    for step in range(WARMUP + steps):
-        x = rng.integers(0, VOCAB, (BATCH, SEQ))
-        y = rng.integers(0, VOCAB, (BATCH, SEQ))
-        backend.barrier()
-        start = time.perf_counter()
-        fw.train_micro_step(x, y, world.size / (BATCH * world.size), sync=True)
-        fw.optimizer_step(1e-3, None)
-        if step >= WARMUP:
-            times.append(time.perf_counter() - start)
+    job = open_lm_job(BACKENDS[name], prefix="polytrain-steptime-")
+    world, backend = job.world, job.backend
+    times = [job.step() for _ in range(WARMUP + steps)][WARMUP:]
     gathered = backend.all_gather_object(statistics.median(times))
     if world.rank == 0:
         Path(out_file).write_text(json.dumps(gathered))
