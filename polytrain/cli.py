@@ -25,7 +25,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _check_writable(flag: str, path: str) -> None:
     """Fail before the work, not after it, when ``path`` cannot be written: its directory is created and a
-    probe file written there (``os.access`` says yes to root even where nothing can be made, e.g. under /proc)."""
+    probe file written there (`polytrain.failures.make_writable_dir`)."""
+    from polytrain.failures import make_writable_dir
+
     parent = Path(path).absolute().parent
     existing = parent
     while not existing.exists():
@@ -33,11 +35,8 @@ def _check_writable(flag: str, path: str) -> None:
     if not existing.is_dir():
         raise UserError(f"{flag} {path}: cannot write it ({existing} is not a directory); give a path in a "
                         f"writable directory")
-    probe = parent / f".polytrain-write-test-{os.getpid()}"
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        make_writable_dir(parent)
     except OSError as exc:
         raise UserError(f"{flag} {path}: cannot write it (cannot create files in {parent}: "
                         f"{exc.strerror or exc}); give a path in a writable directory") from None

@@ -37,13 +37,19 @@ def peer_failure_detail(exc: BaseException) -> str:
     return (telling or lines or [type(exc).__name__])[0][:200]
 
 
+def make_writable_dir(path: Path) -> None:
+    """Create ``path`` (with its parents) and write and remove a probe file there; OSError if either fails.
+    A real probe: ``os.access`` says yes to root even where nothing can be made (e.g. under /proc)."""
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".polytrain-write-test-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
 def check_writable_dir(field_name: str, path: Path) -> None:
     """Create ``path`` (rank 0, before any work) or fail in one line naming the spec field."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".polytrain-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        make_writable_dir(path)
     except OSError as exc:
         raise SpecError(f"{field_name}: cannot write to {path} ({exc.strerror or exc}); choose a writable "
                         "directory") from None
