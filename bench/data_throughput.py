@@ -11,7 +11,8 @@ two epochs a process, ``--rounds`` processes a reader, interleaved; the fastest 
 normalise, batch (64 images, 256 rows), shuffled:
 
 - polytrain: `polytrain.data.images` / `polytrain.data.parquet` sources read through the Trainer's
-  `polytrain.data.prefetch.Prefetcher` (2 threads, 2 steps ahead) over `epoch_plan`;
+  `polytrain.data.prefetch.Prefetcher` (2 threads, 2 steps ahead) over `epoch_plan`; images are decoded in two
+  processes (``data.worker_kind: auto``); "polytrain threads" decodes them in the two reader threads instead;
 - DataLoader: a map-style Dataset decoding with Pillow for the images; for Parquet the usual
   IterableDataset that hands each worker its share of row groups, shuffled within each; 2 worker processes;
 - tf.data: ``read_file`` + ``decode_jpeg`` mapped with AUTOTUNE for the images; for Parquet (tf.data has
@@ -71,13 +72,14 @@ def make_parquet(path: Path, rows: int) -> None:
 
 # --- the readers: each returns the number of samples it read in one epoch -------------------------------------
 
-def polytrain_reader(kind: str, data: Path) -> Callable[[int], int]:
+def polytrain_reader(kind: str, data: Path, worker_kind: str = "auto") -> Callable[[int], int]:
     from polytrain.data.plan import epoch_plan
     from polytrain.spec import DataSpec
 
     if kind == "images":
         from polytrain.data.images import open_images
-        spec = DataSpec(name="images", path=str(data / "images"), mean=MEAN, std=STD, val_fraction=0.0)
+        extra = {} if worker_kind == "auto" else {"worker_kind": worker_kind}  # (a release without the field)
+        spec = DataSpec(name="images", path=str(data / "images"), mean=MEAN, std=STD, val_fraction=0.0, **extra)
         source, batch = open_images(spec, 0).train, IMAGE_BATCH
     else:
         from polytrain.data.parquet import open_parquet
@@ -209,7 +211,13 @@ def tf_reader(kind: str, data: Path) -> Callable[[int], int]:
     return epoch
 
 
-READERS = {"polytrain": polytrain_reader, "DataLoader": torch_reader, "tf.data": tf_reader}
+def polytrain_threads_reader(kind: str, data: Path) -> Callable[[int], int]:
+    """Images decoded in the two reader threads (``data.worker_kind: threads``), for comparison."""
+    return polytrain_reader(kind, data, "threads")
+
+
+READERS = {"polytrain": polytrain_reader, "polytrain threads": polytrain_threads_reader, "DataLoader": torch_reader,
+           "tf.data": tf_reader}
 
 
 def run_one(reader: str, kind: str, data: Path) -> None:
@@ -245,6 +253,8 @@ def main() -> None:
         for _ in range(args.rounds):  # rounds interleave the readers: a busy moment of the machine hits all of them
             for kind in rates:
                 for reader in READERS:
+                    if reader == "polytrain threads" and kind != "images":
+                        continue
                     done = subprocess.run([sys.executable, __file__, "--run", reader, kind, str(data)],
                                           capture_output=True, text=True, check=False)
                     if done.returncode != 0:

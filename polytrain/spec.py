@@ -65,7 +65,7 @@ DATA_SOURCES = ("digits", "synthetic", "npz", "tokens", "parquet", "csv", "image
 
 
 #: data fields that say how samples are read, not which: never part of the model digest
-READING_FIELDS = ("batch_size", "global_batch_size", "workers", "prefetch")
+READING_FIELDS = ("batch_size", "global_batch_size", "workers", "prefetch", "worker_kind")
 #: data fields added after checkpoints existed: in the model digest only when set, so older checkpoints resume
 LATER_DATA_FIELDS = ("val_path", "features", "label", "classes", "shuffle_window", "image_size", "channels", "mean",
                      "std", "augment", "dtype", "seq_len", "vocab", "factory", "transform")
@@ -109,6 +109,8 @@ class DataSpec:
     # an ``rng`` keyword (a numpy Generator seeded by seed, epoch, step and micro-step)
     transform: str | None = None
     workers: int = rule(2, min=0)  # background reader threads (0: read in the training loop)
+    # images: decode in `workers` processes (auto: whenever workers > 0) or in the reader threads
+    worker_kind: str = rule("auto", choices=("auto", "threads", "processes"))
     prefetch: int = rule(2, min=1)  # steps read ahead
 
 
@@ -283,6 +285,9 @@ def _check_data(data: DataSpec) -> None:
         if name not in entry.uses and getattr(data, name) != getattr(default, name):
             users = ", ".join(row.name for row in SOURCES if name in row.uses)
             raise SpecError(f"data.{name}: only used with data.name {users}, not {data.name!r}")
+    if data.worker_kind == "processes" and (data.name != "images" or data.workers == 0):
+        raise SpecError("data.worker_kind: processes decode images (data.name images, data.workers 1 or more); "
+                        f"data.name {data.name!r} with data.workers {data.workers} reads in threads (auto or threads)")
     for name in entry.required:
         if getattr(data, name) is None:
             raise SpecError(f"data.{name}: required when data.name is {data.name!r}")

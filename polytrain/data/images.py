@@ -11,14 +11,17 @@ flattened in (C, H, W) order. Map-style: the epoch's order is a full shuffle.
 
 from __future__ import annotations
 
-import io
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from polytrain.data.decode_pool import DecodePool, DecoderGone
 from polytrain.data.files import assemble, pair
+from polytrain.data.image_decode import Decoder, ImageProblem
 from polytrain.data.plan import shuffled
 from polytrain.data.source import Data
 from polytrain.errors import SpecError
@@ -26,18 +29,7 @@ from polytrain.protocols import DatasetInfo
 from polytrain.spec import AugmentSpec, DataSpec
 
 SUFFIXES = (".png", ".jpg", ".jpeg")
-_FORMATS = {".png": ("PNG",), ".jpg": ("JPEG",), ".jpeg": ("JPEG",)}  # skip probing every other format
 Augment = Callable[[np.ndarray, np.ndarray, np.random.Generator], tuple[np.ndarray, np.ndarray]]
-
-
-def _open(path: Path) -> Image.Image:
-    """Pillow's open of the file's bytes, read in one call (Pillow's own reads of a file are many small ones,
-    each holding the GIL), trying the format the suffix names first (a PNG named .jpg still opens)."""
-    data = io.BytesIO(path.read_bytes())
-    try:
-        return Image.open(data, formats=_FORMATS.get(path.suffix.lower()))
-    except UnidentifiedImageError:
-        return Image.open(data)
 
 
 def _class_folders(root: Path, field: str) -> list[str]:
@@ -88,13 +80,22 @@ class ImageFolderSource:
         self.files, self.labels = files, np.asarray(labels, dtype=np.int64)
         self.mode = "L" if spec.channels == 1 else "RGB"
         self.scale, self.offset = _normalisation(spec)
-        self.resize = spec.image_size is not None
         if spec.image_size is not None:
             self.height, self.width = spec.image_size
             self.reference: tuple[Path, tuple[int, int]] | None = None
         else:
             self.reference = reference or (files[0], self._size(files[0]))
             self.width, self.height = self.reference[1]
+        ref = None if self.reference is None else (str(self.reference[0]), self.height, self.width)
+        self._config: dict[str, Any] = {
+            "files": [str(f) for f in files], "mode": self.mode, "height": self.height, "width": self.width,
+            "resize": spec.image_size is not None, "scale": self.scale.tolist(), "offset": self.offset.tolist(),
+            "reference": ref, "field": field}
+        self.decoder = Decoder(**self._config)
+        #: decoding processes (data.worker_kind), started at the first read; 0: decode in the reading thread
+        self.processes = spec.workers if worker_kind(spec) == "processes" else 0
+        self._pool: DecodePool | None = None
+        self._pool_lock = threading.Lock()
 
     def _size(self, path: Path) -> tuple[int, int]:
         try:
@@ -103,42 +104,49 @@ class ImageFolderSource:
         except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a bad file
             raise SpecError(f"data.{self.field}: cannot read image {path}: {type(exc).__name__}: {exc}") from exc
 
-    def _pixels(self, i: int) -> np.ndarray:
-        """Image ``i`` as uint8 (H, W, C)."""
-        path = self.files[i]
+    def _decode(self, indices: np.ndarray) -> np.ndarray:
+        if not self.processes:
+            return self.decoder.batch(indices)
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = DecodePool(self._config, self.processes)
         try:
-            with _open(path) as image:
-                if self.reference is not None and image.size != self.reference[1]:
-                    (rw, rh), (w, h) = self.reference[1], image.size
-                    raise SpecError(f"data.image_size: images differ in size ({self.reference[0]} is {rh}x{rw}, "
-                                    f"{path} is {h}x{w}, height x width); set data.image_size: [height, width]")
-                if image.mode != self.mode:  # convert() copies even when the mode is already right
-                    image = image.convert(self.mode)
-                if self.resize and image.size != (self.width, self.height):
-                    image = image.resize((self.width, self.height), Image.Resampling.BILINEAR)
-                pixels = np.asarray(image)
-        except SpecError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a corrupt file
-            raise SpecError(f"data.{self.field}: cannot decode image {path}: {type(exc).__name__}: {exc}") from exc
-        return pixels.reshape(self.height, self.width, self.channels)
+            return self._pool.read(indices)
+        except DecoderGone as exc:
+            raise SpecError(f"data.worker_kind: {exc} while reading {self.root} (data.worker_kind: threads "
+                            "decodes in the training process)") from exc
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pool", "_pool_lock")}  # a copy starts its own
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pool=None, _pool_lock=threading.Lock())
+
+    def close(self) -> None:
+        """Stop the decoding processes, if any were started (they also stop when this process ends)."""
+        if self._pool is not None:
+            self._pool.close()
 
     def __len__(self) -> int:
         return len(self.files)
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         indices = np.asarray(indices, dtype=np.int64)
-        pixels = np.empty((len(indices), self.height, self.width, self.channels), dtype=np.uint8)
-        for k, i in enumerate(indices):
-            pixels[k] = self._pixels(int(i))
-        x = np.empty((len(indices), self.channels, self.height, self.width), dtype=np.float32)
-        for c in range(self.channels):
-            np.multiply(pixels[..., c], self.scale[c], out=x[:, c], dtype=np.float32)
-            x[:, c] += self.offset[c]
-        return x.reshape(len(indices), -1), self.labels[indices]
+        try:
+            x = self._decode(indices)
+        except ImageProblem as problem:
+            raise SpecError(f"data.{problem.field}: {problem}") from problem
+        return x, self.labels[indices]
 
     def order(self, seed: int, epoch: int) -> np.ndarray:
         return shuffled(len(self), seed, epoch)
+
+
+def worker_kind(spec: DataSpec) -> str:
+    """``data.worker_kind`` resolved: ``auto`` decodes in processes whenever there are reader workers."""
+    if spec.worker_kind == "auto":
+        return "processes" if spec.workers > 0 else "threads"
+    return spec.worker_kind
 
 
 def make_augment(shape: tuple[int, int, int], options: AugmentSpec, fill: np.ndarray) -> Augment | None:
