@@ -2,7 +2,8 @@
 
 Opening reads each file once, line by line, keeping only where each row starts (8 bytes a row) and the
 label column's range; a batch reads its rows back by offset (``os.pread``) and parses them with the
-``csv`` module. Quoted fields may hold commas but not line breaks (one row per line). Map-style: the
+``csv`` module. Quoted fields may hold commas, doubled quotes and line breaks (a row then spans lines; the
+scan keeps a row open while it has an odd number of quote characters). Map-style: the
 epoch's order is a full shuffle of the rows.
 """
 
@@ -50,16 +51,27 @@ class CsvFile:
                 self.take = [self.header.index(c) for c in columns]
                 self.label_at = self.header.index(label)
                 self.integer, self.low, self.high = True, 0, -1
-                pos, pending = len(header), []
+                pos, pending, record, start = len(header), [], b"", 0
                 for line in handle:
-                    if line.strip():
-                        starts.append(pos)
-                        ends.append(pos + len(line))
-                        pending.append(line)
-                        if len(pending) == _SCAN_LINES:
-                            self._scan_labels(pending, len(starts) - len(pending))
-                            pending = []
+                    if not record:
+                        if not line.strip():
+                            pos += len(line)
+                            continue
+                        start = pos
+                    record += line
                     pos += len(line)
+                    if record.count(b'"') % 2:  # inside a quoted field: its line break is part of the value
+                        continue
+                    starts.append(start)
+                    ends.append(pos)
+                    pending.append(record)
+                    record = b""
+                    if len(pending) == _SCAN_LINES:
+                        self._scan_labels(pending, len(starts) - len(pending))
+                        pending = []
+                if record:
+                    raise SpecError(f"data.{field}: row {len(starts) + 1} of {path} opens a quoted field that "
+                                    "never closes")
                 self._scan_labels(pending, len(starts) - len(pending))
         except (OSError, UnicodeDecodeError) as exc:
             raise SpecError(f"data.{field}: cannot read {path}: {exc}") from exc

@@ -11,7 +11,9 @@ call from several threads (reading files and numpy are; a shared open file handl
 The task follows the first item: an integer scalar y is a class label (``data.classes``, else the
 dataset's ``classes``, its ``targets``, an HF ``ClassLabel``, or a scan of the labels), a float one a
 regression target, integer sequences x and y are next-token data. An x of 3 dimensions is an image in
-(C, H, W) order: it is flattened and ``image_shape`` set, as ``data.name: images`` does.
+(C, H, W) order: it is flattened and ``image_shape`` set, as ``data.name: images`` does; a Pillow image (what
+an HF ``Image`` column holds) becomes such an x, scaled to [0, 1]. The factory may return
+``{"train": ..., "validation": ...}`` (an HF ``DatasetDict``) to name its own validation split.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from polytrain.user_code import load_callable
 
 
 def as_numpy(value: Any) -> np.ndarray:
-    """A tensor (torch: ``.detach().cpu().numpy()``; TensorFlow: ``.numpy()``), number or list as numpy."""
+    """A tensor (torch: ``.detach().cpu().numpy()``; TensorFlow: ``.numpy()``), number or list as numpy; a
+    Pillow image (an HF ``Image`` column) as float32 (C, H, W) in [0, 1], as torchvision's ``ToTensor`` gives."""
+    if callable(getattr(value, "getbands", None)) and hasattr(value, "size"):
+        pixels = np.asarray(value)
+        pixels = pixels[None] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+        return pixels.astype(np.float32) * np.float32(1 / 255)
     if not isinstance(value, np.ndarray):
         for name in ("detach", "cpu", "numpy"):
             method = getattr(value, name, None)
@@ -163,8 +170,26 @@ def dataset_source(dataset: Any, where: str, spec: DataSpec, name: str | None = 
     return source, info
 
 
+#: the names a factory's ``{"train": ..., <name>: ...}`` may give its validation split (HF ``DatasetDict`` keys)
+VAL_SPLITS = ("validation", "val", "test")
+
+
+def _splits(result: Any, name: str) -> tuple[Any, Any, str]:
+    """(train, validation or None, the validation key) of what the factory returned."""
+    if not isinstance(result, Mapping):
+        return result, None, ""
+    keys = ", ".join(map(repr, result)) or "none"
+    if "train" not in result:
+        raise SpecError(f"data.factory: {name} returned a mapping without a 'train' entry (keys: {keys}); return "
+                        f"a dataset, or {{'train': ..., 'validation': ...}}")
+    key = next((k for k in VAL_SPLITS if k in result), "")
+    return result["train"], (result[key] if key else None), key
+
+
 def open_user_dataset(spec: DataSpec, seed: int) -> Data:
-    """Call ``data.factory`` and split what it returns by ``data.val_fraction``."""
+    """Call ``data.factory``; a mapping it returns (an HF ``DatasetDict``, or ``{"train": ..., "validation": ...}``)
+    names the training and validation datasets (the first of `VAL_SPLITS` present), else ``data.val_fraction``
+    splits the one dataset."""
     assert spec.factory is not None
     factory = load_callable(spec.factory, "data.factory")
     try:
@@ -173,5 +198,14 @@ def open_user_dataset(spec: DataSpec, seed: int) -> Data:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's code: say whose it is
         raise SpecError(f"data.factory: {spec.factory} raised {type(exc).__name__}: {exc}") from exc
-    source, info = dataset_source(dataset, "data.factory", spec, name=spec.factory)
-    return assemble(*split(source, spec.val_fraction, seed), info, "every item once per epoch, fully shuffled")
+    train, val, key = _splits(dataset, spec.factory)
+    source, info = dataset_source(train, "data.factory", spec, name=spec.factory)
+    if val is None:
+        return assemble(*split(source, spec.val_fraction, seed), info, "every item once per epoch, fully shuffled")
+    named = f"{spec.factory}[{key!r}]"
+    val_source, val_info = dataset_source(val, "data.factory", spec, name=named)
+    if (val_info.input_shape, val_info.task) != (info.input_shape, info.task):
+        raise SpecError(f"data.factory: {named} holds samples of shape {val_info.input_shape} ({val_info.task}), "
+                        f"the 'train' split {info.input_shape} ({info.task})")
+    val_source.classes = source.classes
+    return assemble(source, val_source, info, "every item once per epoch, fully shuffled")

@@ -97,6 +97,8 @@ CASES: dict[str, tuple[str, Case]] = {
                                                      csv_spec(t / "t.csv"))[1:] + ("t.csv",)),
     "csv label >= classes": ("label", lambda t: ((t / "t.csv").write_text("a,label\n1,0\n2,5\n"),
                                                  csv_spec(t / "t.csv", classes=3))[1:] + ("t.csv",)),
+    "csv quoted field never closes": ("path", lambda t: ((t / "t.csv").write_text('a,note,label\n1,"ok",0\n2,"open,1\n3,x,1\n'),
+                                                         csv_spec(t / "t.csv"))[1:] + ("t.csv",)),
     "csv glob matches nothing": ("path", lambda t: (csv_spec(t / "*.csv"), "*.csv")),
     "images corrupt file": ("path", _corrupt_image),
     "images mixed sizes without image_size": ("image_size", _mixed_sizes),

@@ -82,3 +82,20 @@ def test_exactly_once_across_ranks_and_micro_steps(tmp_path: Path, exactly_once)
     ids = lambda x, y: x[:, 0].astype(int)
     exactly_once(data.train.parent, ids, list(range(83)))
     exactly_once(data.train, ids, data.train.read(np.arange(len(data.train)))[0][:, 0].astype(int).tolist())
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_quoted_fields_may_hold_line_breaks_and_doubled_quotes(tmp_path: Path, newline: str) -> None:
+    """A quoted value spanning lines is one row (what pandas' to_csv writes for text with line breaks)."""
+    rows = [f'{i},"line one of {i}{newline}line ""two""{newline}{newline}three",{i * 0.5},{-i},{i % 3}'
+            if i % 2 else f'{i},"plain, {i}",{i * 0.5},{-i},{i % 3}' for i in range(25)]
+    path = tmp_path / "t.csv"
+    path.write_text(newline.join(["id,note,a,b,label", *rows]) + newline, newline="")
+    source = CsvSource([path], ("id", "a", "b"), "label", "path")
+    assert len(source) == 25
+    indices = np.random.default_rng(1).permutation(25)
+    x, y = source.read(indices)
+    np.testing.assert_array_equal(x, np.stack([indices, indices * 0.5, -indices], axis=1))
+    np.testing.assert_array_equal(y, indices % 3)
+    note = source.files[0].rows(np.array([3]))[0][1]
+    assert note == f"line one of 3{newline}line \"two\"{newline}{newline}three"

@@ -66,10 +66,12 @@ def test_processes_and_threads_decode_identical_batches(tmp_path: Path) -> None:
             assert xp.dtype == np.float32 and xp.shape == (len(idx), 3 * 8 * 10)
             np.testing.assert_array_equal(xp, xt)
             np.testing.assert_array_equal(yp, yt)
-        assert len(decoders(os.getpid())) == 3
+        assert procs._pool is not None
+        started = set(procs._pool.pids())
+        assert len(started) == 3 and started <= decoders(os.getpid())
     finally:
         procs.close()
-    assert decoders(os.getpid()) == set()
+    assert not started & decoders(os.getpid()) and not any(alive(p) for p in started)
 
 
 def test_auto_decodes_in_processes_only_with_reader_workers(tmp_path: Path) -> None:
@@ -97,7 +99,8 @@ def test_a_decoding_process_that_dies_is_an_error_not_a_hang(tmp_path: Path) -> 
     source = open_images(images(tmp_path, worker_kind="processes", workers=1), seed=0).train
     try:
         source.read(np.array([0]))
-        (pid,) = decoders(os.getpid())
+        assert source._pool is not None
+        (pid,) = source._pool.pids()
         os.kill(pid, signal.SIGKILL)
         for _ in range(2):  # the read that finds it gone, and every read after
             with pytest.raises(SpecError, match=r"^data\.worker_kind: an image decoding process \(pid \d+\) ended"):

@@ -92,6 +92,37 @@ def images():
 def tokens():
     return Tokens()
 
+class PilImages:
+    """HF datasets-like rows whose "image" column holds Pillow images (H, W, C), as an HF Image feature gives."""
+
+    column_names = ["image", "label"]
+
+    def __init__(self, n, grey=False):
+        self.n, self.grey = n, grey
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        if isinstance(i, str):  # a whole column, as HF datasets answer
+            return [k % 3 for k in range(self.n)]
+        pixels = (np.arange(5 * 6 * 3).reshape(5, 6, 3) * 3 + i) % 256
+        image = Image.fromarray(pixels[..., 0].astype(np.uint8), "L") if self.grey else \
+            Image.fromarray(pixels.astype(np.uint8), "RGB")
+        return {"image": image, "label": i % 3}
+
+
+def splits():
+    return {"train": PilImages(12), "test": PilImages(5)}
+
+def splits_mismatch():
+    return {"train": PilImages(12), "validation": PilImages(5, grey=True)}
+
+def no_train():
+    return {"training": PilImages(3)}
+
 def torch_dataset():
     import torch
 
@@ -202,3 +233,24 @@ def test_a_live_dataset_for_fit_names_its_argument(factories: str) -> None:
         bad = [(np.zeros(2), 0), (np.zeros(2), 4), (np.zeros(2), 7)]
         source, _ = dataset_source(bad, "val_data", DataSpec(classes=5))
         source.read(np.arange(3))
+
+
+def test_a_factory_may_name_its_validation_split_and_images_may_be_pillow(factories: str) -> None:
+    """An HF DatasetDict-like {"train", "test"} is train and validation (no val_fraction split); Pillow images
+    in an "image" column become (C, H, W) floats in [0, 1], like torchvision's ToTensor."""
+    data = open_user_dataset(spec(f"{factories}:splits", features=("image",), label="label"), seed=0)
+    assert (len(data.train), len(data.val)) == (12, 5)
+    assert data.info.image_shape == (3, 5, 6) and data.info.input_shape == (90,) and data.info.num_outputs == 3
+    x, y = data.val.read(np.array([4, 1]))
+    hwc = (np.arange(90).reshape(5, 6, 3) * 3 + 4) % 256
+    np.testing.assert_allclose(x[0], hwc.transpose(2, 0, 1).reshape(-1) / 255, rtol=1e-6)
+    np.testing.assert_array_equal(y, [1, 1])
+
+
+def test_a_factory_split_that_does_not_match_or_no_train_split(factories: str) -> None:
+    with pytest.raises(SpecError, match=r"^data\.factory: user_factories:splits_mismatch\['validation'\] holds "
+                                        r"samples of shape \(30,\)"):
+        open_user_dataset(spec(f"{factories}:splits_mismatch", features=("image",), label="label"), seed=0)
+    with pytest.raises(SpecError, match=r"^data\.factory: user_factories:no_train returned a mapping without a "
+                                        r"'train' entry \(keys: 'training'\)"):
+        open_user_dataset(spec(f"{factories}:no_train"), seed=0)
