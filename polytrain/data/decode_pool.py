@@ -138,7 +138,8 @@ class DecodePool:
             if "error" in reply:
                 raise ImageProblem(reply["field"], reply["error"])
             assert process.buffer is not None
-            return np.frombuffer(process.buffer, dtype=np.float32, count=n * self.sample_floats).reshape(n, -1).copy()
+            return np.frombuffer(process.buffer, dtype=np.float32, count=n * self.sample_floats).reshape(
+                n, self.sample_floats).copy()
         finally:
             self._idle.put(process)
 

@@ -98,7 +98,7 @@ class Decoder:
         for c in range(self.channels):
             np.multiply(pixels[..., c], self.scale[c], out=x[:, c], dtype=np.float32)
             x[:, c] += self.offset[c]
-        return x.reshape(n, -1)
+        return x.reshape(n, self.sample_floats)
 
 
 # --- the decoding process ---------------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ def test_processes_and_threads_decode_identical_batches(tmp_path: Path) -> None:
             assert xp.dtype == np.float32 and xp.shape == (len(idx), 3 * 8 * 10)
             np.testing.assert_array_equal(xp, xt)
             np.testing.assert_array_equal(yp, yt)
+        for source in (threads, procs):  # an empty micro-batch (a rank with no samples left) reads as empty
+            x, y = source.read(np.zeros(0, dtype=np.int64))
+            assert x.shape == (0, 240) and y.shape == (0,)
         assert procs._pool is not None
         started = set(procs._pool.pids())
         assert len(started) == 3 and started <= decoders(os.getpid())
