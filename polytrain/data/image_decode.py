@@ -39,19 +39,18 @@ class ImageProblem(Exception):
         self.field = field
 
 
-def _open(path: str) -> Image.Image:
-    """Pillow's open of the file's bytes, read in one call (Pillow's own reads of a file are many small ones,
-    each holding the GIL), trying the format the suffix names first (a PNG named .jpg still opens)."""
-    with open(path, "rb") as handle:
-        data = io.BytesIO(handle.read())
+def _open(data: bytes, name: str) -> Image.Image:
+    """Pillow's open of an encoded image, trying the format ``name``'s suffix names first (a PNG named .jpg
+    still opens). The caller reads a file in one call: Pillow's own reads are many small ones under the GIL."""
+    buffer = io.BytesIO(data)
     try:
-        return Image.open(data, formats=_FORMATS.get(path[path.rfind("."):].lower()))
+        return Image.open(buffer, formats=_FORMATS.get(name[name.rfind("."):].lower()))
     except UnidentifiedImageError:
-        return Image.open(data)
+        return Image.open(buffer)
 
 
 class Decoder:
-    """Files → ``(n, C*H*W)`` float32, each image converted to ``mode``, resized to (height, width) when
+    """Image files (or encoded images) → ``(n, C*H*W)`` float32, each image converted to ``mode``, resized to (height, width) when
     ``resize`` (else it must be ``reference``'s size), scaled per channel: ``pixel * scale + offset``."""
 
     def __init__(self, files: Sequence[str], mode: str, height: int, width: int, resize: bool,
@@ -68,14 +67,23 @@ class Decoder:
         return self.channels * self.height * self.width
 
     def pixels(self, i: int) -> np.ndarray:
-        """Image ``i`` as uint8 (H, W, C)."""
+        """Image file ``i`` as uint8 (H, W, C)."""
         path = str(self.files[i])
         try:
-            with _open(path) as image:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as exc:
+            raise ImageProblem(self.field, f"cannot read image {path}: {exc}") from exc
+        return self.decode(data, path)
+
+    def decode(self, data: bytes, name: str) -> np.ndarray:
+        """An encoded image (``name`` says where it came from, in messages) as uint8 (H, W, C)."""
+        try:
+            with _open(data, name) as image:
                 if self.reference is not None and image.size != (self.width, self.height):
                     ref, (w, h) = self.reference[0], image.size
                     raise ImageProblem("image_size", f"images differ in size ({ref} is {self.height}x{self.width}, "
-                                       f"{path} is {h}x{w}, height x width); set data.image_size: [height, width]")
+                                       f"{name} is {h}x{w}, height x width); set data.image_size: [height, width]")
                 if image.mode != self.mode:  # convert() copies even when the mode is already right
                     image = image.convert(self.mode)
                 if self.resize and image.size != (self.width, self.height):
@@ -84,15 +92,19 @@ class Decoder:
         except ImageProblem:
             raise
         except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a corrupt file
-            raise ImageProblem(self.field, f"cannot decode image {path}: {type(exc).__name__}: {exc}") from exc
+            raise ImageProblem(self.field, f"cannot decode image {name}: {type(exc).__name__}: {exc}") from exc
         return pixels.reshape(self.height, self.width, self.channels)
 
     def batch(self, indices: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Images at ``indices`` as flat (C, H, W) float32 rows, written into ``out`` when given."""
-        n = len(indices)
-        pixels = np.empty((n, self.height, self.width, self.channels), dtype=np.uint8)
+        """Image files at ``indices`` as flat (C, H, W) float32 rows, written into ``out`` when given."""
+        pixels = np.empty((len(indices), self.height, self.width, self.channels), dtype=np.uint8)
         for k, i in enumerate(indices):
             pixels[k] = self.pixels(int(i))
+        return self.normalise(pixels, out)
+
+    def normalise(self, pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 (n, H, W, C) → flat (C, H, W) float32 rows ``pixel * scale + offset``, into ``out`` when given."""
+        n = len(pixels)
         x = (np.empty((n, self.channels, self.height, self.width), dtype=np.float32) if out is None
              else out[:n * self.sample_floats].reshape(n, self.channels, self.height, self.width))
         for c in range(self.channels):

@@ -41,7 +41,7 @@ def _class_folders(root: Path, field: str) -> list[str]:
     return names
 
 
-def _normalisation(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
+def normalisation(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
     """Per channel (scale, offset) with ``x = pixel * scale + offset`` = ``(pixel / 255 - mean) / std``."""
     values = {}
     for name, default in (("mean", 0.0), ("std", 1.0)):
@@ -79,7 +79,7 @@ class ImageFolderSource:
                             f"of {root}")
         self.files, self.labels = files, np.asarray(labels, dtype=np.int64)
         self.mode = "L" if spec.channels == 1 else "RGB"
-        self.scale, self.offset = _normalisation(spec)
+        self.scale, self.offset = normalisation(spec)
         if spec.image_size is not None:
             self.height, self.width = spec.image_size
             self.reference: tuple[Path, tuple[int, int]] | None = None

@@ -70,6 +70,25 @@ def write_images(images: np.ndarray, labels: np.ndarray, root: Path) -> None:
         Image.fromarray(img).save(folder / f"{i:04d}.png")
 
 
+def write_parquet_images(images: np.ndarray, labels: np.ndarray, path: Path) -> None:
+    """The images as PNG bytes in a Parquet table the way HF ``datasets`` stores an Image feature (a struct of
+    bytes and path), in row groups of 128 rows."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    blobs = []
+    for img in images:
+        buffer = io.BytesIO()
+        Image.fromarray(img).save(buffer, format="PNG")
+        blobs.append({"bytes": buffer.getvalue(), "path": None})
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table({"image": pa.array(blobs, type=image_type), "label": pa.array(labels.astype(np.int64))})
+    pq.write_table(table, path, row_group_size=128)
+
+
 def write_tokens(path: Path) -> None:
     """The `tokens` corpus, sequence after sequence: ``seq_len + 1``-token windows of the file are its samples."""
     from polytrain.data import token_corpus
@@ -79,17 +98,20 @@ def write_tokens(path: Path) -> None:
 
 
 def write_all(out: Path) -> dict[str, str]:
-    """Every file, and where it is: parquet (folder), csv, images (folder), images_npz, tokens."""
+    """Every file, and where it is: parquet (folder), csv, images (folder), images_npz, tokens, images_parquet."""
     out.mkdir(parents=True, exist_ok=True)
     x, y = digits()
     write_parquet(x, y, out / "parquet")
     write_csv(x, y, out / "digits.csv")
     images, labels = digit_images()
     write_images(images, labels, out / "images")
+    natural = np.argsort(np.lexsort((np.arange(len(y)), y)))  # back to digits' order: row groups mix labels
+    write_parquet_images(images[natural], labels[natural], out / "images.parquet")
     np.savez(out / "images.npz", x=(images[:, None].astype(np.float32) / 255.0), y=labels)
     write_tokens(out / "tokens.bin")
     return {"parquet": str(out / "parquet"), "csv": str(out / "digits.csv"), "images": str(out / "images"),
-            "images_npz": str(out / "images.npz"), "tokens": str(out / "tokens.bin")}
+            "images_npz": str(out / "images.npz"), "tokens": str(out / "tokens.bin"),
+            "images_parquet": str(out / "images.parquet")}
 
 
 class DigitsDataset:
