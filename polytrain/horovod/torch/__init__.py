@@ -4,8 +4,9 @@ When the real ``horovod.torch`` imports (and ``POLYTRAIN_HOROVOD_IMPL`` is not `
 these names are Horovod's own; otherwise they are polytrain's implementation on
 torch.distributed (gloo, NCCL for CUDA tensors). ``IMPL`` tells which one is active
 (``_impl`` chooses, once, between ``_real`` and ``_shim``; both export these names).
-Differences of the shim, all documented where they live: ops must be submitted in the
-same order on every rank (a different order is a reported mismatch), Adasum is refused,
+Differences of the shim, all documented where they live: async ops are queued and launch at
+``synchronize``/``poll``, and must launch in the same order on every rank (a different order is a
+reported mismatch; a failed op raises on every rank and the job goes on, see ``pending``), Adasum is refused,
 process sets must be added/removed by every rank, and the timeline (HOROVOD_TIMELINE,
 ``start_timeline``) records each op from submission to completion as a Chrome trace, one
 process track per rank, not Horovod's per-tensor negotiation phases.
@@ -77,6 +78,7 @@ from polytrain.horovod.torch._impl import (
     rocm_built,
     shutdown,
     size,
+    sparse_allreduce_async,
     start_timeline,
     stop_timeline,
     synchronize,
@@ -94,5 +96,6 @@ __all__ = [
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async",
     "start_timeline", "stop_timeline", "synchronize",
 ]

@@ -36,7 +36,8 @@ allreduce, allreduce_, grouped_allreduce, grouped_allreduce_ = resolve_names(
     _SOURCES, "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_")
 allgather, grouped_allgather, broadcast, broadcast_, alltoall = resolve_names(
     _SOURCES, "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall")
-reducescatter, grouped_reducescatter = resolve_names(_SOURCES, "reducescatter", "grouped_reducescatter")
+reducescatter, grouped_reducescatter, sparse_allreduce_async = resolve_names(
+    _SOURCES, "reducescatter", "grouped_reducescatter", "sparse_allreduce_async")
 allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters = resolve_names(
     _SOURCES, "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters")
 DistributedOptimizer, Compression, SyncBatchNorm, HorovodInternalError, elastic = resolve_names(
@@ -51,7 +52,8 @@ __all__ = [
     "grouped_allreduce_async_", "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
     "alltoall_async", "reducescatter_async", "grouped_reducescatter_async", "poll", "synchronize", "barrier", "join",
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
-    "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "allgather_object",
+    "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "sparse_allreduce_async",
+    "allgather_object",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "DistributedOptimizer", "Compression",
     "SyncBatchNorm", "HorovodInternalError", "elastic",
 ]

@@ -7,7 +7,7 @@ module's ``__all__`` says which of its names belong to Horovod's API.
 """
 
 from polytrain.horovod.common import Adasum, Average, HorovodInternalError, Max, Min, Product, Sum
-from polytrain.horovod.torch import basics, collectives, elastic, functions, ops, process_sets
+from polytrain.horovod.torch import basics, collectives, elastic, functions, ops, process_sets, scatter
 from polytrain.horovod.torch.basics import *  # noqa: F403
 from polytrain.horovod.torch.collectives import *  # noqa: F403
 from polytrain.horovod.torch.compression import Compression
@@ -16,6 +16,7 @@ from polytrain.horovod.torch.join import join
 from polytrain.horovod.torch.ops import *  # noqa: F403
 from polytrain.horovod.torch.optimizer import DistributedOptimizer
 from polytrain.horovod.torch.process_sets import *  # noqa: F403
+from polytrain.horovod.torch.scatter import *  # noqa: F403
 from polytrain.horovod.torch.sync_batch_norm import SyncBatchNorm
 
 IMPL = "polytrain"
@@ -23,5 +24,5 @@ IMPL = "polytrain"
 __all__ = [
     "IMPL", "Adasum", "Average", "Max", "Min", "Product", "Sum", "HorovodInternalError", "Compression", "join",
     "DistributedOptimizer", "SyncBatchNorm", "elastic", *basics.__all__, *collectives.__all__, *ops.__all__,
-    *functions.__all__, *process_sets.__all__,
+    *functions.__all__, *process_sets.__all__, *scatter.__all__,
 ]

@@ -4,7 +4,9 @@ A joined rank loops on the metadata exchange (see `stall`): while other ranks st
 submit allreduces (plain, grouped, or a DistributedOptimizer step) it contributes zeros
 of the announced size; once every rank's record says JOIN, all return the rank that
 joined last. Like Horovod, averages still divide by the full size, and allgather,
-broadcast, alltoall and reducescatter are refused while a rank has joined. Join needs the
+broadcast, alltoall and reducescatter are refused while a rank has joined: the ranks that
+called them get the error, the joined rank keeps waiting. Ops this rank queued and has not
+launched yet (see `pending`) launch before it joins. Join needs the
 metadata exchange, so with ``POLYTRAIN_HOROVOD_METADATA_CHECK=0`` it only waits for
 every rank to join.
 """
@@ -15,6 +17,7 @@ import torch
 
 from polytrain.horovod.common import HorovodInternalError, Sum
 from polytrain.horovod.torch import stall, transport
+from polytrain.horovod.torch.pending import flush
 from polytrain.horovod.torch.process_sets import global_process_set
 from polytrain.horovod.torch.runtime import runtime
 
@@ -28,6 +31,7 @@ def join(device: int = -1) -> int:
     """Mark this rank done; returns the global rank that joined last."""
     global _joins
     state = runtime()
+    flush()
     size = state.topology.size
     _joins += 1
     arrivals = state.store.add(f"join/{_joins}", 1)
@@ -42,8 +46,11 @@ def join(device: int = -1) -> int:
         stall.wait(work, "join", 0, seq, None)
         if bool((records[:, stall.KIND] == stall.JOIN).all()):
             return int((records[:, stall.EXTRA] == 1).nonzero()[0, 0])
-        stall.verify(records, None, None, 0, seq, joined_ok=True)
-        _serve(records[records[:, stall.KIND] != stall.JOIN][0], seq)
+        active = records[records[:, stall.KIND] != stall.JOIN]
+        if int(active[0, stall.KIND]) not in (stall.ALLREDUCE, stall.GROUPED_ALLREDUCE, stall.OPTIMIZER) or \
+                not stall.agree(records):
+            continue  # the active ranks refuse this op themselves (see stall.verify); keep waiting
+        _serve(active[0], seq)
 
 
 def _serve(record: torch.Tensor, seq: int) -> None:

@@ -18,19 +18,17 @@ from polytrain.horovod.torch.collectives import (
     allgather_async,
     allreduce_async,
     allreduce_async_,
-    alltoall_async,
     broadcast_async,
     broadcast_async_,
     grouped_allgather_async,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    grouped_reducescatter_async,
-    reducescatter_async,
     synchronize,
 )
 from polytrain.horovod.torch.compression import Compression, Compressor
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set
 from polytrain.horovod.torch.runtime import rank
+from polytrain.horovod.torch.scatter import alltoall_async, grouped_reducescatter_async, reducescatter_async
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -223,14 +221,30 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: ty
     return compression.decompress(reduced, ctx)
 
 
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale_factor: float,
+                postscale_factor: float, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, process_set, prescale_factor, postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                                             postscale_factor)))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[Any, ...]:
+        op, process_set, pre, post = ctx.args
+        factor = (process_set.size() if op == Sum else 1) * pre * post
+        return (None, None, None, None, None,
+                *grouped_allgather([g * factor for g in grad_output], process_set=process_set))
+
+
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: type[Compressor] = Compression.none, op: int = Average,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """Reducescatter each tensor of a list (not differentiable)."""
+    """Reducescatter each tensor of a list, as one op (differentiable: the gradient is a grouped allgather)."""
     pairs = [compression.compress(t) for t in tensors]
-    reduced = synchronize(grouped_reducescatter_async([p[0] for p in pairs], name, op, process_set,
-                                                      prescale_factor, postscale_factor))
+    reduced = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                                *[p[0] for p in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
 
 

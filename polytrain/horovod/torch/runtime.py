@@ -33,6 +33,10 @@ class Runtime:
     timeline_file: str | None = None
     #: the MPI channel carrying CPU collectives under an MPI launcher (`mpi.MpiEngine`), or None
     mpi: Any = None
+    #: submitted ops not launched yet, in submission order (see `pending`)
+    queue: list[Any] = field(default_factory=list)
+    #: op name -> its not yet synchronized op (Horovod's duplicate-name check)
+    active: dict[str, Any] = field(default_factory=dict)
 
 
 basics: Basics[Runtime] = Basics()

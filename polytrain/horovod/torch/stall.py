@@ -116,26 +116,35 @@ def verify(records: torch.Tensor, name: str | None, group: Any, process_set_id: 
            uneven: bool = False, joined_ok: bool = False) -> None:
     """Raise CollectiveMismatchError on every rank when the records disagree.
 
-    With ``joined_ok`` a JOIN record (a rank inside ``hvd.join()``) matches any allreduce.
+    Every rank holds the same records, so every rank raises (or not) alike and no data has
+    moved: the ranks stay in step and the next collective works (see `pending`). With
+    ``joined_ok`` a JOIN record (a rank inside ``hvd.join()``) matches any allreduce; other
+    ops are refused while a rank has joined (the joined rank keeps waiting in ``join``).
     """
     rows = records
-    if joined_ok:
-        active = rows[rows[:, KIND] != JOIN]
-        if 0 < len(active) < len(rows) and int(active[0, KIND]) not in (ALLREDUCE, GROUPED_ALLREDUCE, OPTIMIZER):
-            mark_broken()
-            raise CollectiveMismatchError(f"{KIND_NAMES[int(active[0, KIND])].capitalize()} is not supported "
-                                          "with Join at this time.")
-        rows = active if len(active) else rows
+    joined = rows[:, KIND] == JOIN
+    if bool(joined.any()) and not bool(joined.all()):
+        active = rows[~joined]
+        if not joined_ok:
+            kind = KIND_NAMES.get(int(active[0, KIND]), "this op")
+            raise CollectiveMismatchError(f"{kind.capitalize()} is not supported with Join at this time.")
+        rows = active
     fields = list(_COMPARED_UNEVEN if uneven else _COMPARED)
     if bool((rows[:, fields] == rows[0, fields]).all()):
         return
-    mark_broken()
     try:
         who = _who_called_what(records, name, group, process_set_id, seq)
     except RuntimeError:  # the store is gone too: describe from the records alone
         members = _members(group, len(records))
         who = "; ".join(f"rank {rank} called {describe(records[i].tolist(), None)}" for i, rank in enumerate(members))
     raise CollectiveMismatchError("Mismatched collective calls across ranks: " + who)
+
+
+def agree(records: torch.Tensor, uneven: bool = False) -> bool:
+    """Whether the records of the ranks not inside ``join`` describe one op (no raising, no store)."""
+    rows = records[records[:, KIND] != JOIN]
+    fields = list(_COMPARED_UNEVEN if uneven else _COMPARED)
+    return len(rows) == 0 or bool((rows[:, fields] == rows[0, fields]).all())
 
 
 def _who_called_what(records: torch.Tensor, name: str | None, group: Any, process_set_id: int, seq: int) -> str:
