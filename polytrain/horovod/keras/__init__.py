@@ -3,7 +3,8 @@
 Also reachable as ``polytrain.horovod.tensorflow.keras``, like Horovod's layout. The
 basics and collectives are ``polytrain.horovod.tensorflow``'s (real Horovod's when it is
 installed); ``DistributedOptimizer`` (``polytrain.horovod.tensorflow.optimizer``) and the
-callbacks are polytrain's, for Keras 3.
+callbacks, ``PartialDistributedOptimizer`` and ``elastic`` (`polytrain.horovod.keras.elastic`) are
+polytrain's, for Keras 3.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import keras
 import tensorflow as tf
 
 import polytrain.horovod.tensorflow as _tf
-from polytrain.horovod.keras import callbacks
+from polytrain.horovod.keras import callbacks, elastic
 from polytrain.horovod.tensorflow import Average, Compression, HorovodUnsupportedError, Sum, collectives
-from polytrain.horovod.tensorflow.optimizer import DistributedOptimizer
+from polytrain.horovod.tensorflow.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 
 # The basics are polytrain.horovod.tensorflow's, whichever implementation runs it.
 IMPL = _tf.IMPL
@@ -75,8 +76,9 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
 
 
 __all__ = [
-    "IMPL", "Average", "Compression", "DistributedOptimizer", "ProcessSet", "Sum", "add_process_set", "allgather",
-    "allreduce", "broadcast", "broadcast_global_variables", "callbacks", "ccl_built", "cross_rank", "cross_size",
+    "IMPL", "Average", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "ProcessSet", "Sum",
+    "add_process_set", "allgather", "allreduce", "broadcast", "broadcast_global_variables", "callbacks", "ccl_built",
+    "cross_rank", "cross_size", "elastic",
     "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "init", "is_homogeneous",
     "is_initialized", "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set", "rocm_built",

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from polytrain.horovod.common import Average
 from polytrain.horovod.tensorflow import _impl, collectives, functions
+from polytrain.horovod.tensorflow.variables import VariableSet, as_list
 
 
 def _device(device: str):
@@ -26,30 +27,34 @@ def _device(device: str):
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Broadcast the model's weights and the optimizer's variables from ``root_rank`` when training
     starts, so every process begins from the same state (after the first batch if the model is
-    only built then)."""
+    only built then).
+
+    ``local_variables`` (or `register_local_var`) stay as each process has them: Keras 3 variables
+    or the ``tf.Variable``s inside them, either form (`polytrain.horovod.tensorflow.variables`).
+    The weights are ``model.weights`` — trainable and non-trainable, e.g. batch-norm statistics;
+    the random-number states Keras 3 also lists in ``model.variables`` (``SeedGenerator``, used by
+    Dropout) stay per process, as tf.keras 2's dropout (which had no state variable) did under Horovod.
+    """
 
     def __init__(self, root_rank: int, device: str = "", local_variables=None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
-        self._local_ids: set[int] = set()
-        for var in ([] if local_variables is None else
-                    local_variables if isinstance(local_variables, (list, tuple)) else [local_variables]):
-            self.register_local_var(var)
+        self._local_vars = VariableSet(as_list(local_variables))
 
     def register_local_var(self, var) -> None:
         """Leave ``var`` out of the broadcast."""
-        self._local_ids.add(id(var))
+        self._local_vars.add(var)
 
     def _broadcast(self) -> None:
         model = self.model
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        variables = [v for v in model.weights if id(v) not in self._local_ids]
+        variables = [v for v in model.weights if v not in self._local_vars]
         if optimizer is not None:
-            variables += list(optimizer.variables)
+            variables += [v for v in optimizer.variables if v not in self._local_vars]
         with _device(self.device):
             functions.broadcast_variables(variables, root_rank=self.root_rank)
         self.broadcast_done = True

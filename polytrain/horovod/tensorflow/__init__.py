@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from polytrain.horovod.common import Adasum, Average, Max, Min, Product, Sum
 from polytrain.horovod.common.errors import HorovodArgumentError, HorovodUnsupportedError
+from polytrain.horovod.tensorflow import elastic
 from polytrain.horovod.tensorflow._impl import (
     IMPL,
     ProcessSet,
@@ -100,7 +101,7 @@ __all__ = [
     "HorovodArgumentError", "HorovodUnsupportedError", "Max", "Min", "PartialDistributedGradientTape",
     "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall",
     "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+    "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled",
     "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "handle_average_backwards_compatibility",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
     "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op",

@@ -16,6 +16,7 @@ from polytrain.horovod.common import Average, HorovodArgumentError
 from polytrain.horovod.tensorflow import _impl
 from polytrain.horovod.tensorflow.collectives import _check_op, grouped_allreduce
 from polytrain.horovod.tensorflow.compression import Compression
+from polytrain.horovod.tensorflow.variables import VariableSet, as_list
 
 global_process_set = _impl.global_process_set
 
@@ -55,10 +56,10 @@ class GradientReducer:
         self.groups = groups
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
-        self.local_ids: set[int] = set()
+        self.local_vars = VariableSet()  # a Keras 3 variable or the tf.Variable it holds, either form
 
     def register_local(self, variable) -> None:
-        self.local_ids.add(id(variable))
+        self.local_vars.add(variable)
 
     def _group_indices(self, present: list[int], variables: Sequence) -> list[list[int]]:
         if self.groups is None:
@@ -80,16 +81,16 @@ class GradientReducer:
         n = self.process_set.size()
         if not n or n == 1:  # Horovod skips the collective on one process
             return grads
-        present = [i for i, g in enumerate(grads) if g is not None and id(variables[i]) not in self.local_ids]
+        present = [i for i, g in enumerate(grads) if g is not None and variables[i] not in self.local_vars]
         out = list(grads)
         for idx in self._group_indices(present, variables):
             reduced = grouped_allreduce([grads[i] for i in idx], prescale_factor=self.prescale,
                                         postscale_factor=self.postscale, **self.kwargs)
             for i, r in zip(idx, reduced):
                 out[i] = r
-        if self.scale_local_gradients and self.local_ids:
+        if self.scale_local_gradients and self.local_vars:
             for i, (g, v) in enumerate(zip(grads, variables)):
-                if g is not None and id(v) in self.local_ids:
+                if g is not None and v in self.local_vars:
                     out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
                               if isinstance(g, tf.IndexedSlices) else g / tf.cast(n, g.dtype))
         return out
@@ -143,7 +144,7 @@ class DistributedGradientTape:
         grads = self.gradient(target, sources, output_gradients=output_gradients)
         local, shared = [], []
         for s, g in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
-            (local if id(s) in self._reducer.local_ids else shared).append((s, g))
+            (local if s in self._reducer.local_vars else shared).append((s, g))
         return local, shared
 
 
@@ -155,9 +156,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set,
                                    scale_local_gradients)
-    layers = [] if local_layers is None else local_layers
-    layers = layers if isinstance(layers, (list, tuple)) else [layers]
-    for layer in layers:
+    for layer in as_list(local_layers):
         for var in layer.trainable_weights:
             tape.register_local_source(var)
     return tape

@@ -6,6 +6,17 @@ update through ``apply(grads, trainable_variables)``: ``model.fit``'s compiled t
 ``apply_gradients`` → ``apply``, and so do custom loops. ``apply`` reduces the gradients with
 `GradientReducer` and hands them to the wrapped optimizer, whose variables, learning rate and
 iteration count are the ones the outside world sees (callbacks, checkpoints).
+
+Non-finite gradients with ``backward_passes_per_step > 1`` (Horovod's rule, which its
+``test_grad_aggregation_with_inf_grad`` pins): an inf/nan in any pass, on any rank, goes into
+that cycle's sum, through the allreduce to every rank, and into the update the wrapped
+optimizer makes — plain SGD writes the inf into the weights, a ``LossScaleOptimizer`` wrapped
+*inside* ``DistributedOptimizer`` sees it on every rank and skips the step everywhere (halving
+its scale). Nothing is dropped and no rank decides alone, so the ranks' collectives stay in
+step. The sums are then reset by assignment (never ``acc - acc``, which would leave nan), so
+the next cycle starts from zero. Wrap a loss-scale optimizer inside, not around: outside, each
+rank would skip or apply on its own gradients' finiteness and the ranks' allreduces would no
+longer pair up.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from polytrain.horovod.common import Average, HorovodArgumentError, Sum
 from polytrain.horovod.tensorflow import _impl
 from polytrain.horovod.tensorflow.compression import Compression
 from polytrain.horovod.tensorflow.gradient_tape import GradientReducer, resolve_groups
+from polytrain.horovod.tensorflow.variables import as_list, variable_key
 
 
 @keras.saving.register_keras_serializable(package="polytrain.horovod")
@@ -71,6 +83,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def iterations(self):
         return self.inner_optimizer.iterations
 
+    @property
+    def aggregation_variables(self) -> list:
+        """The pass count and the per-variable sums of ``backward_passes_per_step > 1`` ([] otherwise);
+        kept by ``hvd.elastic`` states next to `variables`."""
+        count = getattr(self, "_pass_count", None)  # made by build() when backward_passes_per_step > 1
+        return [] if count is None else [count, *self._accumulators]
+
     def __getattr__(self, name: str):
         # momentum, beta_1, epsilon, ... of the wrapped optimizer (only reached for unknown names)
         if name.startswith("_") or name == "inner_optimizer":
@@ -114,8 +133,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self.iterations
 
     def _accumulate_and_apply(self, grads, variables):
-        index = {id(v): i for i, v in enumerate(self._trainable_variables)}
-        slots = [self._accumulators[index[id(v)]] for v in variables]
+        index = {variable_key(v): i for i, v in enumerate(self._trainable_variables)}
+        slots = [self._accumulators[index[variable_key(v)]] for v in variables]
         for acc, g in zip(slots, grads):
             if g is not None:
                 acc.assign_add(tf.convert_to_tensor(g))
@@ -161,3 +180,29 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
         config["compression"] = getattr(Compression, config.get("compression", "none"))
         return cls(inner, **config)
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                                op=Average, groups=None, process_set=_impl.global_process_set, local_layers=None,
+                                scale_local_gradients=True, backward_passes_per_step=1,
+                                average_aggregated_gradients=False) -> DistributedOptimizer:
+    """A `DistributedOptimizer` that keeps the gradients of ``local_layers``' trainable weights local.
+
+    Those gradients are not allreduced — only divided by the number of processes when
+    ``scale_local_gradients`` (Horovod's rule) — so each process trains its own copy of those
+    layers; every other gradient is reduced as usual. ``backward_passes_per_step`` and
+    ``average_aggregated_gradients`` are polytrain's additions (Horovod's signature lacks them).
+    """
+    layers = as_list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise HorovodArgumentError("All local layers must be of tf.keras.layers.Layer type.")
+    wrapped = DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+        sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step, average_aggregated_gradients=average_aggregated_gradients,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            wrapped.register_local_var(var)
+    return wrapped

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import struct
 import tempfile
 from collections import OrderedDict
@@ -26,53 +25,17 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from polytrain.errors import UserError
+from polytrain.horovod.common.elastic_files import (  # the directory rule and file layout both frameworks share
+    FORMAT,
+    STATE_DIR_VARIABLE,
+    STATE_FILE,
+    ElasticStateError,
+    private_dir,
+    state_dir,
+)
 
-STATE_DIR_VARIABLE = "POLYTRAIN_HOROVOD_ELASTIC_DIR"
-STATE_FILE = "state.safetensors"
-FORMAT = "polytrain.elastic/1"
-
-
-class ElasticStateError(UserError):
-    """The commit directory is not private to this user, or the commit file is not one of ours."""
-
-
-def state_dir(env: dict[str, str] | None = None) -> Path:
-    """Where commits persist: ``$POLYTRAIN_HOROVOD_ELASTIC_DIR`` or a per-user, per-job directory in tmp."""
-    env = dict(os.environ) if env is None else env
-    if env.get(STATE_DIR_VARIABLE):
-        return Path(env[STATE_DIR_VARIABLE])
-    run_id = env.get("TORCHELASTIC_RUN_ID", "none")
-    key = "-".join(v for v in (run_id, env.get("MASTER_PORT", "")) if v and v != "none") or "default"
-    return Path(tempfile.gettempdir()) / f"polytrain-elastic-{os.getuid()}-{key}"
-
-
-def private_dir(path: Path, create: bool = True) -> Path | None:
-    """``path`` made (mode 0700) or checked private to this user; None if absent and not ``create``."""
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    problem = None
-    if stat.S_ISLNK(info.st_mode):
-        problem = "is a symbolic link"
-    elif not stat.S_ISDIR(info.st_mode):
-        problem = "is not a directory"
-    elif info.st_uid != os.getuid():
-        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
-    elif info.st_mode & 0o077:
-        problem = f"has mode {stat.S_IMODE(info.st_mode):04o} (open to group/others)"
-    if problem:
-        raise ElasticStateError(
-            f"{STATE_DIR_VARIABLE}: {path} {problem}; hvd.elastic keeps its commits only in a directory owned by "
-            f"this user with mode 0700 (remove it, or set {STATE_DIR_VARIABLE} to such a directory)")
-    return path
+__all__ = ["FORMAT", "STATE_DIR_VARIABLE", "STATE_FILE", "ElasticStateError", "private_dir", "read_state", "state_dir",
+           "write_state"]
 
 
 def write_state(directory: Path, snapshot: Any) -> Path:
