@@ -23,6 +23,7 @@ import os
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,16 +89,30 @@ def encode_state(snapshot: Any) -> bytes:
 def decode_state(data: bytes) -> Any:
     """The snapshot `encode_state` made; ValueError (or another plain error) for bytes that are not one."""
     arrays = safetensors.numpy.load(data)
+    return _decode(skeleton_of(data), arrays)
+
+
+def skeleton_of(data: bytes) -> Any:
+    """The JSON skeleton in a commit's safetensors metadata, after checking its format tag."""
     (length,) = struct.unpack("<Q", data[:8])
     metadata = json.loads(data[8:8 + length]).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT!r}")
-    return _decode(json.loads(metadata["state"]), arrays)
+    return json.loads(metadata["state"])
 
 
 def write_state(directory: Path, snapshot: Any) -> Path:
     """Save ``snapshot`` atomically as ``directory/state.safetensors``; the directory is made private."""
-    data = encode_state(snapshot)  # before any file exists: an unsavable value leaves none
+    return write_commit(directory, encode_state(snapshot))  # encoded first: an unsavable value leaves no file
+
+
+def read_state(directory: Path) -> Any | None:
+    """The snapshot saved in ``directory`` (checked private first), or None if there is none."""
+    return read_commit(directory, decode_state)
+
+
+def write_commit(directory: Path, data: bytes) -> Path:
+    """The bytes of an encoded commit, written atomically as ``directory/state.safetensors`` (made private)."""
     private_dir(directory)
     fd, partial = tempfile.mkstemp(prefix="state.", suffix=".tmp", dir=directory)
     try:
@@ -110,8 +125,9 @@ def write_state(directory: Path, snapshot: Any) -> Path:
     return directory / STATE_FILE
 
 
-def read_state(directory: Path) -> Any | None:
-    """The snapshot saved in ``directory`` (checked private first), or None if there is none."""
+def read_commit(directory: Path, decode: Callable[[bytes], Any]) -> Any | None:
+    """``decode`` of the commit file's bytes (the directory checked private first, the file opened without
+    following a link), or None if there is none; anything that fails to decode is an `ElasticStateError`."""
     if private_dir(directory, create=False) is None:
         return None
     path = directory / STATE_FILE
@@ -124,7 +140,7 @@ def read_state(directory: Path) -> Any | None:
     with os.fdopen(fd, "rb") as f:
         data = f.read()
     try:
-        return decode_state(data)
+        return decode(data)
     except Exception as exc:  # safetensors, struct, json and a skeleton naming missing arrays all raise
         raise ElasticStateError(f"{STATE_DIR_VARIABLE}: {path} is not an hvd.elastic commit "
                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None

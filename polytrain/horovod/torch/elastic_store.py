@@ -14,9 +14,6 @@ anything else is refused, as another local user could have planted it.
 from __future__ import annotations
 
 import json
-import os
-import struct
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -31,7 +28,10 @@ from polytrain.horovod.common.elastic_files import (  # the directory rule and f
     STATE_FILE,
     ElasticStateError,
     private_dir,
+    read_commit,
+    skeleton_of,
     state_dir,
+    write_commit,
 )
 
 __all__ = ["FORMAT", "STATE_DIR_VARIABLE", "STATE_FILE", "ElasticStateError", "private_dir", "read_state", "state_dir",
@@ -42,42 +42,18 @@ def write_state(directory: Path, snapshot: Any) -> Path:
     """Save ``snapshot`` atomically as ``directory/state.safetensors``; the directory is made private."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(snapshot, tensors, "state")  # before any file exists: an unsavable value leaves none
-    data = safetensors.torch.save(tensors, metadata={"format": FORMAT, "state": json.dumps(skeleton)})
-    private_dir(directory)
-    fd, partial = tempfile.mkstemp(prefix="state.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(partial, directory / STATE_FILE)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
-    return directory / STATE_FILE
+    return write_commit(directory, safetensors.torch.save(tensors, metadata={"format": FORMAT,
+                                                                             "state": json.dumps(skeleton)}))
+
+
+def _decode_commit(data: bytes) -> Any:
+    tensors = safetensors.torch.load(data)
+    return _decode(skeleton_of(data), tensors)
 
 
 def read_state(directory: Path) -> Any | None:
     """The snapshot saved in ``directory`` (checked private first), or None if there is none."""
-    if private_dir(directory, create=False) is None:
-        return None
-    path = directory / STATE_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        return None
-    except OSError as exc:  # ELOOP: a symbolic link
-        raise ElasticStateError(f"{STATE_DIR_VARIABLE}: {path} cannot be opened as a plain file ({exc})") from None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read()
-    try:
-        tensors = safetensors.torch.load(data)
-        (length,) = struct.unpack("<Q", data[:8])
-        metadata = json.loads(data[8:8 + length]).get("__metadata__") or {}
-        if metadata.get("format") != FORMAT:
-            raise ValueError(f"format {metadata.get('format')!r}, expected {FORMAT!r}")
-        return _decode(json.loads(metadata["state"]), tensors)
-    except Exception as exc:  # safetensors, struct, json and a skeleton naming missing tensors all raise
-        raise ElasticStateError(f"{STATE_DIR_VARIABLE}: {path} is not an hvd.elastic commit "
-                                f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
+    return read_commit(directory, _decode_commit)
 
 
 _SCALARS = (bool, int, float, str, type(None))
