@@ -105,8 +105,10 @@ class DecodePool:
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         """The images at ``indices``, ``(n, C*H*W)`` float32; `ImageProblem` for a bad file."""
-        if not self._processes:
+        if self._finalizer.alive and not self._processes:
             self._start()
+        elif not self._finalizer.alive:
+            raise DecoderGone("the image decoding processes were closed")
         process = self._idle.get()
         n = len(indices)
         try:

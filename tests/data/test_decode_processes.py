@@ -75,6 +75,8 @@ def test_processes_and_threads_decode_identical_batches(tmp_path: Path) -> None:
     finally:
         procs.close()
     assert not started & decoders(os.getpid()) and not any(alive(p) for p in started)
+    with pytest.raises(SpecError, match=r"^data\.worker_kind: the image decoding processes were closed"):
+        procs.read(order[:2])  # a read after close says so (it does not restart or hang)
 
 
 def test_auto_decodes_in_processes_only_with_reader_workers(tmp_path: Path) -> None:
