@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from polytrain.environments.detect import restart_count
 from polytrain.horovod.common import HorovodArgumentError, HorovodInternalError
 from polytrain.horovod.common.elastic_files import (
     STATE_DIR_VARIABLE,
@@ -45,6 +45,7 @@ from polytrain.horovod.common.elastic_files import (
     state_dir,
     write_state,
 )
+from polytrain.horovod.common.elastic_state import ObjectStateBase
 from polytrain.horovod.tensorflow import _impl
 from polytrain.horovod.tensorflow.functions import broadcast_variables
 
@@ -87,25 +88,18 @@ def _agree_on_rank0(action: Callable[[], Any], what: str) -> None:
         raise ElasticStateError(f"hvd.elastic: rank 0 failed to {what} ({failure})")
 
 
-class ObjectState:
+class ObjectState(ObjectStateBase):
     """Plain values kept in step across ranks and restored on failure; each one is an attribute."""
 
     def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_state,
                  get_rank: Callable[[], int] = _impl.rank, **kwargs: Any) -> None:
-        self._bcast_object = bcast_object
-        self._rank = get_rank
-        self._saved_state = kwargs
-        self._reset_callbacks: list[Callable[[], None]] = []
-        self._set_attrs()
+        super().__init__(bcast_object, get_rank, **kwargs)
 
-    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
-        """Functions to call after a reset (e.g. to rescale the learning rate to the new size)."""
-        self._reset_callbacks.extend(callbacks)
+    def _barrier(self) -> None:
+        _impl.barrier()
 
-    def on_reset(self) -> None:
-        self.reset()
-        for callback in self._reset_callbacks:
-            callback()
+    def _read_state(self, directory: Path) -> Any | None:
+        return read_state(directory)
 
     def commit(self) -> None:
         """Keep the current values as the point to roll back (and restart) to.
@@ -117,50 +111,9 @@ class ObjectState:
         self.save()
         _agree_on_rank0(self.persist, "write the commit")
 
-    def check_host_updates(self) -> None:
-        """A sync point; Horovod also raises HostsUpdatedInterrupt here, but the shim's world
-        changes only by a restart."""
-        _impl.barrier()
-
-    def save(self) -> None:
-        self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
-
-    def restore(self) -> None:
-        self._set_attrs()
-
-    def sync(self) -> None:
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
-
-    def reset(self) -> None:
-        pass
-
-    def _set_attrs(self) -> None:
-        for attr, value in self._saved_state.items():
-            setattr(self, attr, value)
-
-    # persistence across job restarts
-    def snapshot(self) -> dict[str, Any]:
-        return {"objects": self._saved_state}
-
-    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        self._saved_state = dict(snapshot["objects"])
-        self._set_attrs()
-
     def persist(self) -> None:
         """Write the last commit to `state_dir` (what rank 0 does on every commit)."""
         write_state(state_dir(), self.snapshot())
-
-    def load_persisted(self) -> bool:
-        """On rank 0 of a restarted job, restore the last commit written; whether there was one."""
-        if self._rank() != 0 or restart_count() == 0:
-            return False
-        snapshot = read_state(state_dir())
-        if snapshot is None:
-            return False
-        self.load_snapshot(snapshot)
-        return True
 
 
 def _values(variables: list) -> list[np.ndarray]:

@@ -20,14 +20,15 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from polytrain.horovod.common import HorovodInternalError
+from polytrain.horovod.common.elastic_state import ObjectStateBase
 from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import barrier
 from polytrain.horovod.torch.elastic_store import STATE_DIR_VARIABLE, read_state, state_dir, write_state
@@ -38,29 +39,18 @@ from polytrain.horovod.torch.functions import (
 )
 
 
-def is_restart(env: dict[str, str] | None = None) -> bool:
-    env = dict(os.environ) if env is None else env
-    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-
-
-class ObjectState:
+class ObjectState(ObjectStateBase):
     """Plain Python attributes kept in step across ranks and restored on failure."""
 
     def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
                  get_rank: Callable[[], int] = basics.rank, **kwargs: Any):
-        self._bcast_object = bcast_object
-        self._rank = get_rank
-        self._saved_state = kwargs
-        self._reset_callbacks: list[Callable[[], None]] = []
-        self._set_attrs()
+        super().__init__(bcast_object, get_rank, **kwargs)
 
-    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
-        self._reset_callbacks.extend(callbacks)
+    def _barrier(self) -> None:
+        barrier()
 
-    def on_reset(self) -> None:
-        self.reset()
-        for callback in self._reset_callbacks:
-            callback()
+    def _read_state(self, directory: Path) -> Any | None:
+        return read_state(directory)
 
     def commit(self) -> None:
         """Save the current values as the point to roll back (and restart) to.
@@ -72,50 +62,9 @@ class ObjectState:
         self.persist()
         self.check_host_updates()
 
-    def check_host_updates(self) -> None:
-        """A sync point; Horovod also raises HostsUpdatedInterrupt here, but the shim's world
-        changes only by a restart."""
-        barrier()
-
-    def save(self) -> None:
-        self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
-
-    def restore(self) -> None:
-        self._set_attrs()
-
-    def sync(self) -> None:
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self._set_attrs()
-
-    def reset(self) -> None:
-        pass
-
-    def _set_attrs(self) -> None:
-        for attr, value in self._saved_state.items():
-            setattr(self, attr, value)
-
-    # persistence across job restarts
-    def snapshot(self) -> dict[str, Any]:
-        return {"objects": self._saved_state}
-
-    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        self._saved_state = snapshot["objects"]
-        self._set_attrs()
-
     def persist(self) -> None:
         if self._rank() == 0:
             write_state(state_dir(), self.snapshot())
-
-    def load_persisted(self) -> bool:
-        """On rank 0 of a restarted job, restore the last commit saved; whether there was one."""
-        if self._rank() != 0 or not is_restart():
-            return False
-        snapshot = read_state(state_dir())
-        if snapshot is None:
-            return False
-        self.load_snapshot(snapshot)
-        return True
 
 
 class TorchState(ObjectState):
