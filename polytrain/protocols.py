@@ -39,6 +39,23 @@ class DatasetInfo:
     image_shape: tuple[int, int, int] | None = None  # (channels, height, width) when samples are images
 
 
+@dataclass(frozen=True)
+class DataShard:
+    """Which part of the data a rank reads. Data-parallel backends: one shard per rank. Model-parallel
+    layouts (`polytrain.layout`): the ranks of one tensor/pipeline group read the same shard, and only one
+    of them (``reports``) adds its loss and metric sums to the job's totals."""
+
+    count: int  # the number of different shards (the data-parallel degree)
+    index: int  # this rank's
+    reports: bool = True
+
+
+def data_shard_of(backend: Any, world: World) -> DataShard:
+    """The backend's `DataShard` (its ``data_shard`` attribute), or one shard per rank."""
+    shard = getattr(backend, "data_shard", None)
+    return shard if isinstance(shard, DataShard) else DataShard(world.size, world.rank)
+
+
 class Backend(Protocol):
     """A distribution strategy. Framework-specific backends add their own hooks
     (e.g. a torch backend wraps modules); these are what the Trainer itself calls."""

@@ -224,6 +224,9 @@ def resolve_backend_name(spec: TrainSpec, world: World) -> str:
     return name
 
 
+PARALLEL_TARGET = "polytrain.adapters.torch.parallel.backend:ParallelBackend"
+
+
 def create_backend(spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
                    activity: Activity | None = None) -> Backend:
     """The spec's backend for this World, recording into ``timeline`` and reporting to ``activity``."""
@@ -234,7 +237,15 @@ def create_backend(spec: TrainSpec, world: World, *, timeline: Timeline | None =
     reason = entry.unusable_reason()
     if reason:
         raise BackendUnavailableError(f"backend: {name!r} cannot run here: {reason}")
-    return _import(entry.target)(spec, world, timeline=timeline or NULL, activity=activity)
+    target = entry.target
+    if spec.parallel.model_parallel:  # tensor/pipeline parallel, with ddp or fsdp as the data dimension
+        from polytrain.layout import DATA_BACKENDS
+
+        if name not in DATA_BACKENDS:
+            raise SpecError(f"backend: {name!r} (chosen by auto) does not combine with parallel.tensor/pipeline; "
+                            f"set backend: ddp or fsdp")
+        target = PARALLEL_TARGET
+    return _import(target)(spec, world, timeline=timeline or NULL, activity=activity)
 
 
 def create_framework(spec: TrainSpec, world: World, backend: Backend, user: UserCode | None = None) -> Framework:

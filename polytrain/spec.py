@@ -18,6 +18,8 @@ from typing import Any
 from polytrain import schema
 from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import SpecError
+from polytrain.layout import ParallelSpec
+from polytrain.layout import check_spec as check_parallel
 from polytrain.schema import rule
 from polytrain.spec_files import apply_overrides, load_raw
 
@@ -211,6 +213,8 @@ class TrainSpec:
     # under fsdp its units), on every backend; fsdp.activation_checkpointing is an alias
     activation_checkpointing: bool = False
     compile: CompileSpec = field(default_factory=CompileSpec)
+    # tensor / pipeline / data parallel degrees (PyTorch; see polytrain.layout)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
     # a built-in loss (cross_entropy, mse, bce, next_token) or package.module:function(outputs, targets) -> one
     # loss per sample; null: the task's (cross_entropy, mse, next_token)
     loss: str | None = None
@@ -274,6 +278,7 @@ def _check_combinations(spec: TrainSpec) -> None:
     _check_tokens(spec)
     _check_backend_options(spec)
     _check_torch_only(spec)
+    check_parallel(spec.parallel, framework=spec.framework, backend=spec.backend, batch_size=spec.data.batch_size)
 
 
 def _check_data(data: DataSpec) -> None:

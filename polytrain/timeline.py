@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 #: Track (Chrome trace "thread") ids within a rank's process.
-LOOP, COLLECTIVES = 0, 1
-TRACK_NAMES = {LOOP: "training loop", COLLECTIVES: "collectives"}
+LOOP, COLLECTIVES, PIPELINE, PIPELINE_IDLE = 0, 1, 2, 3
+TRACK_NAMES = {LOOP: "training loop", COLLECTIVES: "collectives", PIPELINE: "pipeline stages",
+               PIPELINE_IDLE: "pipeline bubbles"}
 
 
 class Timeline:

@@ -35,7 +35,7 @@ from polytrain.failures import (
     settled,
 )
 from polytrain.metrics import MetricsLog, Progress
-from polytrain.protocols import BackendFactory, FrameworkFactory
+from polytrain.protocols import BackendFactory, FrameworkFactory, data_shard_of
 from polytrain.schedule import lr_at
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
@@ -103,7 +103,9 @@ class Trainer(TrainerCheckpoints):
                 f"process(es) "
                 f"(launcher: {world.launcher}); {len(data.train)} training samples, "
                 f"{len(data.val)} validation samples")
-            self.global_batch = global_batch_size(spec.data, world.size, spec.loop.grad_accum_steps)
+            # model-parallel layouts: the ranks of a tensor/pipeline group share one shard of the data
+            self.shard = data_shard_of(self.backend, world)
+            self.global_batch = global_batch_size(spec.data, self.shard.count, spec.loop.grad_accum_steps)
             self.per_epoch = steps_per_epoch(len(data.train), self.global_batch)
             start = self._restore() if self._resume_target() else Position()
             if self.timeline.enabled:
@@ -134,8 +136,9 @@ class Trainer(TrainerCheckpoints):
 
     # ------------------------------------------------------------------ the loop
     def _loop(self, data: Data, start: Position) -> TrainResult:
-        spec, world, fw, loop = self.spec, self.world, self.framework, self.spec.loop
+        spec, fw, loop, shard = self.spec, self.framework, self.spec.loop, self.shard
         timeline = self.timeline
+        counts = 1.0 if shard.reports else 0.0  # the logged loss counts each shard once
         per_epoch = self.per_epoch
         total = self._total_steps()
         every_steps, every_epochs = spec.checkpoint.every_n_steps, spec.checkpoint.every_n_epochs
@@ -154,7 +157,7 @@ class Trainer(TrainerCheckpoints):
             window = np.zeros(2)  # summed loss, samples since the last report
             window_start = time.perf_counter()
             plans = epoch_plan(len(data.train), seed=spec.seed, epoch=epoch, global_batch=self.global_batch,
-                               world_size=world.size, rank=world.rank, accum=loop.grad_accum_steps,
+                               world_size=shard.count, rank=shard.index, accum=loop.grad_accum_steps,
                                start_step=first, order=data.train.order(spec.seed, epoch))
             batches = self.prefetcher.steps(data.train, enumerate(plans, start=first), epoch)
             for i in range(first, per_epoch):
@@ -164,13 +167,13 @@ class Trainer(TrainerCheckpoints):
                 with timeline.span("data", "data", step=step + 1):
                     plan, micro_batches = next(batches)
                 self._activity.set("forward/backward", step=step + 1)
-                scale = world.size / plan.global_count
+                scale = shard.count / plan.global_count
                 last = len(micro_batches) - 1
                 for m, (x, y) in enumerate(micro_batches):
                     with timeline.span("micro-step", "compute", step=step + 1, micro=m, samples=len(x)):
                         loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
-                    window += (loss_sum, len(x))
-                lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=world.size,
+                    window += (loss_sum * counts, len(x) * counts)
+                lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=shard.count,
                            steps_per_epoch=per_epoch, total_steps=self._horizon())
                 self._activity.set("the optimizer step", step=step + 1)
                 with timeline.span("optimizer step", "optimizer", step=step + 1):
@@ -283,15 +286,16 @@ class Trainer(TrainerCheckpoints):
         """Each rank evaluates its shard in the same number of batches; the (sum, count) pair of the loss
         and of every metric is all-reduced before dividing (`polytrain.objectives.reduce`)."""
         self._activity.set("evaluation")
-        world, batch = self.world, self.spec.data.batch_size
+        shard, batch = self.shard, self.spec.data.batch_size
         metrics = objectives.metric_names(self.spec.metrics, data.info.task)
         names = ("loss", *objectives.computed(metrics))
-        mine = eval_shard(len(data.val), world.size, world.rank)
-        n_batches = max(1, math.ceil(math.ceil(len(data.val) / world.size) / batch))
+        mine = eval_shard(len(data.val), shard.count, shard.index)
+        n_batches = max(1, math.ceil(math.ceil(len(data.val) / shard.count) / batch))
         totals = np.zeros((len(names), 2))
         for x, y in self.prefetcher.batches(data.val, np.array_split(mine, n_batches), epoch):
-            batch_totals = self.framework.evaluate(x, y)
-            totals += [batch_totals[name] for name in names]
+            batch_totals = self.framework.evaluate(x, y)  # every rank: a layout's forward is collective
+            if shard.reports:
+                totals += [batch_totals[name] for name in names]
         reduced = self.backend.all_reduce(totals.reshape(-1)).reshape(len(names), 2)
         return objectives.reduce(dict(zip(names, map(tuple, reduced))), metrics)
 

@@ -120,7 +120,7 @@ class TrainerCheckpoints:
             "global_batch": self.global_batch, "rng_states": rng,
             # the learning rate is a function of the step (polytrain.schedule); recorded for readers
             "lr": lr_at(max(pos.step - 1, 0), optimizer=self.spec.optimizer, schedule=self.spec.schedule,
-                        world_size=self.world.size, steps_per_epoch=self.per_epoch,
+                        world_size=self.shard.count, steps_per_epoch=self.per_epoch,
                         total_steps=self._horizon()),
             "loss_scaler": self.framework.loss_scaler_state(),
             "early_stopping": {**self.early_stopping.state(), "stopped": self.stopped_early}

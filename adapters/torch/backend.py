@@ -134,6 +134,8 @@ class TorchBackend:
     """The base of every PyTorch backend; implements `polytrain.protocols.Backend`."""
 
     name = "base"
+    #: a pipeline-parallel layout's runner (`parallel.runner.PipelineRunner`): it runs the micro-steps
+    pipeline: Any = None
     #: set by `setup` when a rendezvous store listens (see `listen_address`)
     listen_address: str | None = None
     #: whether the timeline records every torch.distributed collective (`tracing.CollectiveTracer`): for
@@ -225,6 +227,14 @@ class TorchBackend:
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def bind_data(self, info: Any) -> None:
+        """Told the dataset's `DatasetInfo` before `wrap` (a layout that cuts the model needs an example input)."""
+
+    def parameter_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        """Full (unsharded) shape of every parameter, by portable name; no communication."""
+        return {name: tuple(getattr(p, "ds_shape", None) or p.shape)
+                for name, p in self.unwrap(model).named_parameters()}
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
         """``torch.compile`` (spec ``compile``) the wrapped model in place: here the model itself."""

@@ -16,7 +16,7 @@ from polytrain.adapters.torch.execution import check_compiler, checkpoint_blocks
 from polytrain.adapters.torch.models import build_model
 from polytrain.adapters.torch.objectives import evaluation, loss_fn, metric_fns
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo, UserCode
+from polytrain.protocols import DatasetInfo, UserCode, data_shard_of
 from polytrain.spec import OptimizerSpec, TrainSpec
 from polytrain.world import World
 
@@ -69,6 +69,7 @@ class TorchFramework:
             model = _live_model(self.user.model, self.backend).to(self.device)
         else:
             model = _build_model(self.spec.model.name, self.spec.model.params, info).to(self.device)
+        self.backend.bind_data(info)
         if checkpointing_on(self.spec):  # before the backend wraps it: the same blocks on every backend
             checkpoint_blocks(self.spec, model)
         optimizer = make_optimizer(self.spec.optimizer, model.parameters())
@@ -76,7 +77,8 @@ class TorchFramework:
         if self.spec.compile.enabled:  # where the backend's layout needs it (see adapters/torch/execution.py)
             check_compiler(self.device)
             self.backend.compile_model(self.model, self.spec.compile.mode)
-        torch.manual_seed(self.spec.seed + self.world.rank)  # per-rank randomness from here on
+        # per-shard randomness from here on: the ranks of a tensor-parallel group draw the same dropout masks
+        torch.manual_seed(self.spec.seed + data_shard_of(self.backend, self.world).index)
         self.loss_name = objectives.loss_name(self.spec.loss, info.task)
         self.loss = loss_fn(self.loss_name, self.user.loss)  # one value per sample
         self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task), self.user.metrics)
@@ -99,6 +101,11 @@ class TorchFramework:
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
         self.model.train()
         xb, yb = self._tensors(x, y)
+        if self.backend.pipeline is not None:  # the pipeline schedule runs forward and backward of its stages
+            with contextlib.nullcontext() if sync else self.backend.no_sync(self.model):
+                loss = self.backend.pipeline.train(xb, yb, self._loss_sum, loss_scale, self._autocast())
+                self.backend.after_backward()
+            return loss
         timeline, activity = self.backend.timeline, self.backend.activity
         with contextlib.nullcontext() if sync else self.backend.no_sync(self.model):
             if activity is not None:
@@ -151,8 +158,14 @@ class TorchFramework:
         xb, yb = self._tensors(x, y)
         # compile (spec) covers the training step; validation runs eager (no second compile for eval mode)
         eager = torch.compiler.set_stance("force_eager") if self.spec.compile.enabled else contextlib.nullcontext()
-        with self._autocast(), eager:
-            out = model(xb)
+        with eager:
+            if self.backend.pipeline is not None:
+                out = self.backend.pipeline.forward(xb, self._autocast())
+                if out is None:  # not the last stage: the last one reports
+                    return {}
+            else:
+                with self._autocast():
+                    out = model(xb)
         return evaluation(self.loss_name, self.loss, self.metric_fns, out, yb)
 
     def export_state(self) -> dict[str, np.ndarray]:
@@ -183,8 +196,7 @@ class TorchFramework:
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsharded) shape of every parameter, by portable name; no communication."""
-        model = self.backend.unwrap(self.model)
-        return {name: tuple(getattr(p, "ds_shape", None) or p.shape) for name, p in model.named_parameters()}
+        return self.backend.parameter_shapes(self.model)
 
     def grads_finite(self) -> bool:
         """Whether every gradient is finite, the same answer on every rank (see the backend's hook)."""

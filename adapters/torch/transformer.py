@@ -4,7 +4,8 @@ Token + learned position embeddings, ``n_layers`` pre-LayerNorm blocks of causal
 self-attention and an MLP, a final LayerNorm and a head over the vocabulary (tied to
 the token embedding when ``tie_weights``). `TransformerLM.block_classes` names the
 repeated block, so sharding backends wrap each block as a unit and may recompute
-its activations (activation checkpointing).
+its activations (activation checkpointing); ``embed`` and ``finish`` are what runs before the first
+and after the last block, where pipeline parallelism cuts the model into stages.
 
 Parameter names: ``tok_emb.weight`` (vocab, d), ``pos_emb.weight`` (seq_len, d),
 ``blocks.{i}.{ln1,attn.qkv,attn.proj,ln2,mlp.fc,mlp.out}.{weight,bias}``,
@@ -26,21 +27,29 @@ from polytrain.zoo import TransformerParams
 
 
 class CausalSelfAttention(nn.Module):
+    #: set by tensor parallelism (polytrain.adapters.torch.parallel.tensor): the rows of ``qkv`` are grouped
+    #: by head (q, k, v of head 0, then of head 1, ...), so each rank's contiguous slice holds whole heads
+    head_major = False
+
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
         self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        heads = (batch, length, self.n_heads, width // self.n_heads)
-        q, k, v = (t.view(heads).transpose(1, 2) for t in (q, k, v))
+        batch, length, _ = x.shape
+        qkv = self.qkv(x)
+        if self.head_major:  # this rank's heads only (tensor parallel)
+            q, k, v = qkv.view(batch, length, -1, 3, self.head_dim).unbind(3)
+        else:  # the portable layout: all q rows, then all k, then all v
+            q, k, v = qkv.view(batch, length, 3, -1, self.head_dim).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLPBlock(nn.Module):
@@ -95,16 +104,24 @@ class TransformerLM(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(batch, length) token ids → (batch, length, vocab) next-token logits."""
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What runs before the first block (a pipeline's first stage): (batch, length) ids → activations."""
         length = tokens.shape[1]
         if length > self.seq_len:
             raise ValueError(f"sequence of {length} tokens is longer than the model's {self.seq_len}")
         positions = torch.arange(length, device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        return self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """What runs after the last block (a pipeline's last stage): activations → logits."""
+        return self.head(self.ln_f(x))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, length) token ids → (batch, length, vocab) next-token logits."""
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.finish(x)
 
 
 def build_transformer(params: TransformerParams, info: DatasetInfo) -> TransformerLM:

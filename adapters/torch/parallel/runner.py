@@ -1,0 +1,126 @@
+"""Running the pipeline: ``torch.distributed.pipelining`` stages and schedules, one per batch shape.
+
+A `PipelineStage` learns the shapes it sends and receives on its first step; a batch of another size (an
+epoch's last, smaller step, or a validation batch) gets a stage and schedule of its own, built once and kept.
+Every stage's forward and backward of every micro-batch is a span on the timeline (track ``pipeline stages``, with its stage), and
+the idle time between them within a step is recorded as ``bubble`` spans — what `bench/pipeline_bubble.py`
+measures against the theoretical (P − 1) / (M + P − 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from polytrain.adapters.torch.parallel.pipeline import StageModule
+from polytrain.timeline import PIPELINE, PIPELINE_IDLE, Timeline
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class TimedStage(PipelineStage):
+    """A `PipelineStage` that records each micro-batch's forward and backward on the timeline."""
+
+    def __init__(self, *args: Any, timeline: Timeline, spans: list[tuple[float, float]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timeline, self._spans = timeline, spans
+
+    def _timed(self, what: str, chunk: int, run: Callable[[], Any]) -> Any:
+        started = self._timeline.now()
+        out = run()
+        ended = self._timeline.now()
+        self._spans.append((started, ended))
+        self._timeline.complete(what, "pipeline", started, ended, track=PIPELINE,
+                                stage=self.stage_index, micro=chunk)
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("forward", fwd_chunk_id, lambda: super(TimedStage, self).forward_one_chunk(
+            fwd_chunk_id, *args, **kwargs))
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("backward", bwd_chunk_id, lambda: super(TimedStage, self).backward_one_chunk(
+            bwd_chunk_id, *args, **kwargs))
+
+
+class PipelineRunner:
+    """This rank's stages and their schedules (see the module's docstring)."""
+
+    def __init__(self, stages: list[tuple[int, StageModule]], total: int, schedule: str, microbatches: int,
+                 device: torch.device, group: Any, timeline: Timeline) -> None:
+        self.stages, self.total, self.kind, self.microbatches = stages, total, schedule, microbatches
+        self.device, self.group, self.timeline = device, group, timeline
+        self.first = any(index == 0 for index, _ in stages)
+        self.last = any(index == total - 1 for index, _ in stages)
+        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._spans: list[tuple[float, float]] = []
+        self._loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        #: busy and total seconds of the steps run so far (for the bubble bench)
+        self.busy_s = self.step_s = 0.0
+
+    def modules(self) -> list[StageModule]:
+        return [module for _, module in self.stages]
+
+    def _schedule(self, n: int, train: bool) -> Any:
+        key = (n, train)
+        if key not in self._schedules:
+            chunks = max(1, min(self.microbatches, n))
+            pipes = [TimedStage(module, index, self.total, self.device, group=self.group,
+                                timeline=self.timeline, spans=self._spans) for index, module in self.stages]
+            loss = self._scaled_loss if train else None
+            cls = SCHEDULES[self.kind]
+            target = pipes if self.kind == "interleaved_1f1b" else pipes[0]
+            self._schedules[key] = cls(target, n_microbatches=chunks, loss_fn=loss, scale_grads=False)
+        return self._schedules[key]
+
+    def _scaled_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss is not None
+        return self._loss(out, target) * self._scale
+
+    def train(self, x: torch.Tensor, y: torch.Tensor, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              scale: float, autocast: contextlib.AbstractContextManager[Any]) -> float:
+        """One micro-step through the pipeline (forward and backward of every micro-batch); returns the summed
+        loss of its samples on the last stage (0 elsewhere). Gradients accumulate in the stages' parameters."""
+        self._loss, self._scale = loss_sum, scale
+        schedule = self._schedule(len(x), train=True)
+        args = (x,) if self.first else ()
+        losses: list[torch.Tensor] = []
+        self._spans.clear()
+        started = self.timeline.now()
+        with autocast:
+            schedule.step(*args, target=y if self.last else None, losses=losses if self.last else None,
+                          return_outputs=False)
+        self._record_bubbles(started, self.timeline.now())
+        # the micro-batches' scaled losses (a first step's shape inference calls the loss on empty tensors too)
+        return float(sum(float(loss.detach()) for loss in losses)) / scale if losses else 0.0
+
+    def forward(self, x: torch.Tensor, autocast: contextlib.AbstractContextManager[Any]) -> torch.Tensor | None:
+        """The model's outputs for ``x`` on the last stage (None elsewhere); forward only."""
+        schedule = self._schedule(len(x), train=False)
+        args = (x,) if self.first else ()
+        self._spans.clear()
+        with autocast, torch.no_grad():
+            out = schedule.eval(*args)
+        return out if self.last else None
+
+    def _record_bubbles(self, started: float, ended: float) -> None:
+        spans = sorted(self._spans)
+        busy = sum(end - start for start, end in spans)
+        self.busy_s += busy
+        self.step_s += ended - started
+        if not self.timeline.enabled:
+            return
+        cursor = started
+        for start, end in [*spans, (ended, ended)]:
+            if start > cursor:
+                self.timeline.complete("bubble", "pipeline", cursor, start, track=PIPELINE_IDLE)
+            cursor = max(cursor, end)

@@ -1,0 +1,162 @@
+"""Model-parallel layouts (spec ``parallel``): how tensor, pipeline and data parallelism share the ranks.
+
+``parallel: {tensor: T, pipeline: P, data: auto, microbatches: M, schedule: 1f1b}`` splits the world
+into a 3-D grid of ``P × D × T`` ranks, ``D = world_size / (T × P)`` (``data: auto``), in the order
+torchtitan and Megatron-LM use: **tensor parallel is innermost** — a tensor-parallel group is ``T``
+consecutive ranks, which launchers place on one node, so its many per-layer collectives stay on the
+fastest link — then data, then pipeline stages outermost (stage ``s`` holds ranks
+``s·D·T … (s+1)·D·T − 1``). The data dimension is the spec's backend (``ddp`` or ``fsdp``); the
+other backends do not combine with ``T`` or ``P`` > 1.
+
+Everything here is pure (no torch): the spec's table, its rules, and a rank's place in the grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polytrain.errors import SpecError
+from polytrain.schema import rule
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DATA_BACKENDS = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Tensor, pipeline and data parallel degrees (PyTorch only; see this module's docstring)."""
+
+    tensor: int = rule(1, min=1)  # T: each layer's weights split across T ranks (Megatron-style)
+    pipeline: int = rule(1, min=1)  # P: the model's blocks split into P stages
+    data: int | str = "auto"  # D: auto = world_size / (T × P); a number is checked against that
+    # pipeline micro-batches per micro-step (each micro-step's batch of data.batch_size samples is split
+    # into M); null: P (the least that fills the pipeline once)
+    microbatches: int | None = rule(None, min=1)
+    schedule: str = rule("1f1b", choices=SCHEDULES)
+    # interleaved_1f1b: model chunks (virtual stages) per rank; null: 2 for interleaved_1f1b, else 1
+    stages_per_rank: int | None = rule(None, min=1)
+    # package.module:function(model, tp_mesh) -> the parallelize_module plan {submodule name: ParallelStyle}
+    # (null: the model's own — the zoo transformer has one)
+    tensor_plan: str | None = None
+    # block index where each stage after the first starts (P × stages_per_rank − 1 numbers, increasing);
+    # null: balanced by parameter count
+    stage_boundaries: tuple[int, ...] | None = None
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tensor > 1 or self.pipeline > 1
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank (more than one only for interleaved schedules)."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule == "interleaved_1f1b" else 1
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or self.pipeline
+
+
+def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_size: int) -> None:
+    """The rules of the ``parallel`` table that need no World (one line each, naming the field)."""
+    if isinstance(parallel.data, str) and parallel.data != "auto":
+        raise SpecError(f"parallel.data: expected auto or a positive integer, got {parallel.data!r}")
+    if not isinstance(parallel.data, str) and parallel.data < 1:
+        raise SpecError(f"parallel.data: expected auto or a positive integer, got {parallel.data!r}")
+    pipeline_only = {"microbatches": parallel.microbatches is not None,
+                     "schedule": parallel.schedule != "1f1b", "stages_per_rank": parallel.stages_per_rank is not None,
+                     "stage_boundaries": parallel.stage_boundaries is not None}
+    for name, given in pipeline_only.items():
+        if given and parallel.pipeline == 1:
+            raise SpecError(f"parallel.{name}: only used with parallel.pipeline > 1")
+    if parallel.tensor_plan is not None and parallel.tensor == 1:
+        raise SpecError("parallel.tensor_plan: only used with parallel.tensor > 1")
+    if not parallel.model_parallel:
+        return
+    which = "parallel.tensor" if parallel.tensor > 1 else "parallel.pipeline"
+    if framework != "torch":
+        raise SpecError(f"{which}: tensor and pipeline parallel are PyTorch-only here (built on torch's DeviceMesh, "
+                        f"DTensor and torch.distributed.pipelining; TensorFlow has no maintained equivalent); "
+                        f"use framework 'torch' or set {which}: 1")
+    if backend not in (*DATA_BACKENDS, "auto"):
+        raise SpecError(f"{which}: combines with backend ddp or fsdp (the data-parallel dimension), not "
+                        f"{backend!r}")
+    if parallel.chunks > 1 and parallel.schedule != "interleaved_1f1b":
+        raise SpecError(f"parallel.stages_per_rank: more than one model chunk per rank needs schedule "
+                        f"interleaved_1f1b, not {parallel.schedule!r}")
+    if parallel.schedule == "interleaved_1f1b" and parallel.chunks < 2:
+        raise SpecError("parallel.stages_per_rank: schedule interleaved_1f1b needs 2 or more chunks per rank")
+    if parallel.pipeline > 1 and batch_size % parallel.n_microbatches:
+        raise SpecError(f"parallel.microbatches: {parallel.n_microbatches} must divide data.batch_size "
+                        f"{batch_size} (each micro-step's batch is split into that many pipeline micro-batches)")
+    boundaries = parallel.stage_boundaries
+    if boundaries is not None:
+        stages = parallel.pipeline * parallel.chunks
+        if len(boundaries) != stages - 1:
+            raise SpecError(f"parallel.stage_boundaries: {stages} stages need {stages - 1} boundaries (the block "
+                            f"index where each stage after the first starts), got {len(boundaries)}")
+        if any(b <= a for a, b in zip((0, *boundaries), boundaries)):
+            raise SpecError(f"parallel.stage_boundaries: must increase and start above 0, got {list(boundaries)}")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A rank's place in the ``pipeline × data × tensor`` grid."""
+
+    pipeline: int
+    data: int
+    tensor: int
+    rank: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.pipeline, self.data, self.tensor)
+
+    @property
+    def stage(self) -> int:
+        return self.rank // (self.data * self.tensor)
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.tensor % self.data
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.rank % self.tensor
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's loss and metric sums stand for its data shard (tensor rank 0 of the last stage)."""
+        return self.tensor_rank == 0 and self.stage == self.pipeline - 1
+
+
+def grid_for(parallel: ParallelSpec, world_size: int, rank: int) -> Grid:
+    """The grid of ``world_size`` ranks; a one-line error when the degrees do not divide it."""
+    t, p = parallel.tensor, parallel.pipeline
+    if world_size % (t * p):
+        raise SpecError(f"parallel: tensor {t} × pipeline {p} = {t * p} does not divide the world size {world_size}; "
+                        f"start a multiple of {t * p} processes or change parallel.tensor/parallel.pipeline")
+    data = world_size // (t * p)
+    if parallel.data != "auto" and parallel.data != data:
+        raise SpecError(f"parallel.data: {parallel.data} × tensor {t} × pipeline {p} must equal the world size "
+                        f"{world_size} (data would be {data}); set parallel.data: auto")
+    return Grid(pipeline=p, data=data, tensor=t, rank=rank)
+
+
+def balanced_boundaries(sizes: list[int], stages: int) -> tuple[int, ...]:
+    """Where each stage after the first starts, so that stages hold about equal numbers of parameters.
+
+    ``sizes``: the parameter count of each block, in order (the embedding and head count with the first
+    and last block). Every stage gets at least one block."""
+    if len(sizes) < stages:
+        raise SpecError(f"parallel.pipeline: {stages} stages need at least {stages} blocks; the model declares "
+                        f"{len(sizes)}")
+    total, starts, acc = sum(sizes), [], 0
+    for i, size in enumerate(sizes[:-1]):
+        acc += size
+        wanted = len(starts) + 1
+        left_blocks, left_stages = len(sizes) - (i + 1), stages - wanted
+        if wanted < stages and (acc >= total * wanted / stages or left_blocks == left_stages):
+            starts.append(i + 1)
+    return tuple(starts)
