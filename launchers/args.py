@@ -181,7 +181,7 @@ def launch_from_args(args: argparse.Namespace) -> int:
         print(f"wrote {target}; submit it with: {submit.format(target)}", file=sys.stderr)
         return 0
     if not args.dry_run:
-        check_spec(args.launch_command, local=not req.hosts)
+        check_spec(args.launch_command, local=not req.hosts, world_size=req.nproc)
     return run(req, dry_run=args.dry_run)
 
 
@@ -196,7 +196,7 @@ def _set_values(program_args: Sequence[str]) -> list[str]:
     return values
 
 
-def check_spec(command: Sequence[str], *, local: bool = True) -> None:
+def check_spec(command: Sequence[str], *, local: bool = True, world_size: int | None = None) -> None:
     """Reject a bad spec here, once, rather than in every worker (N copies of the same error, then the
     launcher's own report). Only for specs (not scripts); with remote hosts only when the file is here.
 
@@ -213,3 +213,7 @@ def check_spec(command: Sequence[str], *, local: bool = True) -> None:
     spec = spec_mod.from_dict(raw, validate_components=False)
     if not zoo.is_import_path(spec.model.name):
         registry.validate(spec)
+    if world_size is not None and spec.parallel.model_parallel:  # the layout must divide the processes started
+        from polytrain.layout import grid_for
+
+        grid_for(spec.parallel, world_size, 0)

@@ -58,7 +58,7 @@ class ParallelSpec:
         return self.microbatches or self.pipeline
 
 
-def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_size: int) -> None:
+def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_size: int | None) -> None:
     """The rules of the ``parallel`` table that need no World (one line each, naming the field)."""
     if isinstance(parallel.data, str) and parallel.data != "auto":
         raise SpecError(f"parallel.data: expected auto or a positive integer, got {parallel.data!r}")
@@ -87,7 +87,7 @@ def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_si
                         f"interleaved_1f1b, not {parallel.schedule!r}")
     if parallel.schedule == "interleaved_1f1b" and parallel.chunks < 2:
         raise SpecError("parallel.stages_per_rank: schedule interleaved_1f1b needs 2 or more chunks per rank")
-    if parallel.pipeline > 1 and batch_size % parallel.n_microbatches:
+    if parallel.pipeline > 1 and batch_size is not None and batch_size % parallel.n_microbatches:
         raise SpecError(f"parallel.microbatches: {parallel.n_microbatches} must divide data.batch_size "
                         f"{batch_size} (each micro-step's batch is split into that many pipeline micro-batches)")
     boundaries = parallel.stage_boundaries
@@ -98,6 +98,18 @@ def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_si
                             f"index where each stage after the first starts), got {len(boundaries)}")
         if any(b <= a for a, b in zip((0, *boundaries), boundaries)):
             raise SpecError(f"parallel.stage_boundaries: must increase and start above 0, got {list(boundaries)}")
+
+
+def check_transformer(parallel: ParallelSpec, n_heads: int, d_ff: int, tied: bool) -> None:
+    """The zoo transformer's own limits, known before any process starts."""
+    if parallel.tensor > 1 and n_heads % parallel.tensor:
+        raise SpecError(f"parallel.tensor: {parallel.tensor} does not divide the transformer's {n_heads} attention "
+                        "heads (model.params.n_heads); each rank computes whole heads")
+    if parallel.tensor > 1 and d_ff % parallel.tensor:
+        raise SpecError(f"parallel.tensor: {parallel.tensor} does not divide the MLP width {d_ff} (model.params.d_ff)")
+    if parallel.pipeline > 1 and tied:
+        raise SpecError("parallel.pipeline: the transformer's tied embedding and head would run on the first and "
+                        "the last stage; set model.params.tie_weights: false")
 
 
 @dataclass(frozen=True)

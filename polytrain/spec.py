@@ -278,7 +278,13 @@ def _check_combinations(spec: TrainSpec) -> None:
     _check_tokens(spec)
     _check_backend_options(spec)
     _check_torch_only(spec)
-    check_parallel(spec.parallel, framework=spec.framework, backend=spec.backend, batch_size=spec.data.batch_size)
+    check_parallel(spec.parallel, framework=spec.framework, backend=spec.backend,
+                   batch_size=None if spec.data.global_batch_size else spec.data.batch_size)
+    if spec.parallel.model_parallel and spec.model.name == "transformer":
+        from polytrain import layout, zoo
+
+        params = zoo.model_params("transformer", spec.model.params)
+        layout.check_transformer(spec.parallel, params.n_heads, params.d_ff or 4 * params.d_model, params.tie_weights)
 
 
 def _check_data(data: DataSpec) -> None:

@@ -15,6 +15,7 @@ Checkpoints are portable: `full_state` is the whole model on every rank (see `st
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -57,6 +58,9 @@ class ParallelBackend(TorchBackend):
         self.ensure_process_group()
         from torch.distributed.device_mesh import init_device_mesh
 
+        # DTensor's advice to flatten mesh dimensions (a 2-D gradient norm under fsdp × tensor) is for its
+        # authors, not for a user: keep it out of the job's output
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         self.mesh = init_device_mesh(self.device.type, self.grid.shape, mesh_dim_names=("pp", "dp", "tp"))
         self.pp_group = self.mesh["pp"].get_group() if self.grid.pipeline > 1 else None
         self.dp_group = self.mesh["dp"].get_group()

@@ -1,0 +1,136 @@
+"""Tensor, pipeline and hybrid parallel train like one process (issue 18), with real processes.
+
+The zoo transformer LM (4 blocks, 4 heads, untied head), fp32, SGD with momentum (Adam would turn the
+rounding noise of gradients that are truly zero — the key bias's — into full-size steps), clipping that
+bites, 2 micro-steps of accumulation, a global batch of 32 in every layout (so every layout takes the same steps), 22 steps,
+dropout 0. Each layout runs ``polytrain train`` under torchrun (gloo on loopback) and must match one
+process (``backend: ddp`` at world size 1): per-step losses and final weights within 1e-5 relative
+(``compile`` within 1e-4 and not bit-identical), every rank holding the same full weights (the portable
+form gathers tensor shards and pipeline stages), the plain model's parameter names.
+
+Resume contract (docs/portable-state.md, "Model-parallel layouts"): a checkpoint holds full tensors, so a
+T=2 run's step-11 checkpoint resumed by one process, and the one-process run's resumed at P=2 × T=2,
+both end on the straight run's final weights and losses (same global batch; dropout 0, so the RNG streams,
+which are per layout, do not matter).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from procs import BIN, check, free_port, loopback_env, run
+
+from polytrain.checkpoint import read_model, step_dir_name
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+
+LM = ["model.name=transformer", "data.name=tokens", "data.tokens.samples=640", "data.tokens.seq_len=16",
+      "data.tokens.vocab=32", "model.params.d_model=32", "model.params.n_heads=4", "model.params.n_layers=4",
+      "model.params.tie_weights=false", "model.params.dropout=0.0", "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.momentum=0.9",
+      "loop.epochs=2", "loop.max_steps=22", "loop.grad_accum_steps=2", "loop.grad_clip_norm=0.5",
+      "loop.log_every_n_steps=1", "data.global_batch_size=32", "checkpoint.every_n_steps=11"]
+STEPS, SAVED = 22, 11
+LAYOUTS = {
+    "tensor2": (2, ["backend=ddp", "parallel.tensor=2"]),
+    "pipeline2-gpipe": (2, ["backend=ddp", "parallel.pipeline=2", "parallel.schedule=gpipe",
+                            "parallel.microbatches=4"]),
+    "pipeline2-1f1b": (2, ["backend=ddp", "parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.microbatches=4"]),
+    "pipeline2-interleaved": (2, ["backend=ddp", "parallel.pipeline=2", "parallel.schedule=interleaved_1f1b",
+                                  "parallel.microbatches=4"]),
+    "tensor2-data2": (4, ["backend=ddp", "parallel.tensor=2"]),
+    "pipeline2-tensor2": (4, ["backend=ddp", "parallel.tensor=2", "parallel.pipeline=2"]),
+    "fsdp-tensor2": (4, ["backend=fsdp", "parallel.tensor=2"]),
+    "tensor2+checkpointing": (2, ["backend=ddp", "parallel.tensor=2", "activation_checkpointing=true"]),
+    "fsdp-pipeline2+checkpointing": (2, ["backend=fsdp", "parallel.pipeline=2", "activation_checkpointing=true"]),
+}
+
+
+def train(out: Path, nproc: int, sets: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict, dict]:
+    args = ["train", "--quiet", *[a for s in [*LM, *sets, f"output={out}"] for a in ("--set", s)]]
+    if resume is not None:
+        args += ["--resume", str(resume)]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "polytrain.cli", *args]
+    else:
+        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", "-m", "polytrain.cli", *args]
+    result = check(run(cmd, timeout=600, env=loopback_env()))
+    assert not result.left_behind, result.left_behind
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = np.array([e["loss"] for e in events if e["event"] == "step"])
+    state, manifest = read_model(out)
+    assert manifest["world_size"] == nproc
+    assert len(set(manifest["rank_state_digests"])) == 1, manifest["rank_state_digests"]  # every rank: one model
+    return losses, state, manifest
+
+
+def differences(losses: np.ndarray, state: dict, ref_losses: np.ndarray, ref_state: dict) -> tuple[float, float]:
+    assert set(state) == set(ref_state)  # the plain model's names, every stage's parameters
+    loss_rel = float(np.max(np.abs(losses - ref_losses) / np.abs(ref_losses)))
+    weight_rel = max(float(np.max(np.abs(state[k] - ref_state[k])) / np.max(np.abs(ref_state[k])))
+                     for k in ref_state)
+    return loss_rel, weight_rel
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, dict]:
+    out = tmp_path_factory.mktemp("one-process")
+    losses, state, _ = train(out, 1, ["backend=ddp"])
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1  # it learned something
+    return out, losses, state
+
+
+@pytest.fixture(scope="module")
+def tensor2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, dict]:
+    out = tmp_path_factory.mktemp("tensor2")
+    losses, state, _ = train(out, *LAYOUTS["tensor2"])
+    return out, losses, state
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_trains_like_one_process(layout: str, one_process: tuple, tensor2_run: tuple, tmp_path: Path) -> None:
+    _, ref_losses, ref_state = one_process
+    if layout == "tensor2":
+        _, losses, state = tensor2_run
+    else:
+        losses, state, manifest = train(tmp_path, *LAYOUTS[layout])
+        assert manifest["backend"] == LAYOUTS[layout][1][0].partition("=")[2]
+    loss_rel, weight_rel = differences(losses, state, ref_losses, ref_state)
+    print(f"\n{layout}: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
+
+
+def test_compile_keeps_tensor_parallel(one_process: tuple, tmp_path: Path) -> None:
+    _, ref_losses, ref_state = one_process
+    losses, state, _ = train(tmp_path, 2, ["backend=ddp", "parallel.tensor=2", "compile.enabled=true"])
+    loss_rel, weight_rel = differences(losses, state, ref_losses, ref_state)
+    print(f"\ntensor2 + compile: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
+    assert loss_rel < 1e-4 and weight_rel < 1e-4
+    assert weight_rel > 0, "bit-identical to eager: the compiled code did not run"
+
+
+def _saved(out: Path) -> Path:
+    return out / "checkpoints" / step_dir_name(SAVED)
+
+
+def test_tensor_parallel_checkpoint_resumes_on_one_process(one_process: tuple, tensor2_run: tuple,
+                                                           tmp_path: Path) -> None:
+    _, ref_losses, ref_state = one_process
+    source, _, _ = tensor2_run
+    losses, state, _ = train(tmp_path, 1, ["backend=ddp"], resume=_saved(source))
+    loss_rel, weight_rel = differences(losses, state, ref_losses[SAVED:], ref_state)
+    assert len(losses) == STEPS - SAVED
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
+
+
+def test_one_process_checkpoint_resumes_at_pipeline2_tensor2(one_process: tuple, tmp_path: Path) -> None:
+    source, ref_losses, ref_state = one_process
+    losses, state, _ = train(tmp_path, 4, LAYOUTS["pipeline2-tensor2"][1], resume=_saved(source))
+    loss_rel, weight_rel = differences(losses, state, ref_losses[SAVED:], ref_state)
+    assert len(losses) == STEPS - SAVED
+    assert loss_rel < 1e-5 and weight_rel < 1e-5

@@ -1,0 +1,87 @@
+"""The ``parallel`` table: its rules (one line naming the field), the rank grid and the stage balance."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from polytrain import spec as spec_mod
+from polytrain.errors import SpecError
+from polytrain.layout import ParallelSpec, balanced_boundaries, grid_for
+
+LM = {"model": {"name": "transformer", "params": {"n_heads": 4, "d_model": 32, "tie_weights": False}},
+      "data": {"name": "tokens", "batch_size": 8}}
+
+
+def spec_with(parallel: dict, **top: object) -> spec_mod.TrainSpec:
+    return spec_mod.from_dict({**LM, "backend": "ddp", "parallel": parallel, **top})
+
+
+def test_grid_puts_tensor_innermost_then_data_then_pipeline() -> None:
+    parallel = ParallelSpec(tensor=2, pipeline=2)
+    cells = [grid_for(parallel, 8, rank) for rank in range(8)]
+    assert [(g.stage, g.data_rank, g.tensor_rank) for g in cells] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert cells[0].shape == (2, 2, 2)
+    # one rank per data shard reports its loss: tensor rank 0 of the last stage
+    assert [g.rank for g in cells if g.reports] == [4, 6]
+
+
+@pytest.mark.parametrize(("parallel", "size", "message"), [
+    (ParallelSpec(tensor=2, pipeline=2), 6, "parallel: tensor 2 × pipeline 2 = 4 does not divide the world size 6"),
+    (ParallelSpec(tensor=2, data=3), 4, "parallel.data: 3 × tensor 2 × pipeline 1 must equal the world size 4"),
+])
+def test_layouts_that_do_not_fit_the_world(parallel: ParallelSpec, size: int, message: str) -> None:
+    with pytest.raises(SpecError, match="^" + message.replace("(", r"\(")):
+        grid_for(parallel, size, 0)
+
+
+def test_balanced_boundaries_follow_parameter_counts() -> None:
+    assert balanced_boundaries([10, 10, 10, 10], 2) == (2,)
+    assert balanced_boundaries([100, 1, 1, 1], 2) == (1,)  # a heavy first block is a stage of its own
+    assert balanced_boundaries([1, 1, 1, 100], 2) == (3,)
+    assert balanced_boundaries([5] * 8, 4) == (2, 4, 6)
+    with pytest.raises(SpecError, match="parallel.pipeline: 3 stages need at least 3 blocks"):
+        balanced_boundaries([1, 1], 3)
+
+
+@pytest.mark.parametrize(("parallel", "top", "message"), [
+    ({"schedule": "zigzag", "pipeline": 2}, {}, "parallel.schedule: "),
+    ({"tensor": 2}, {"framework": "tensorflow", "backend": "auto"}, "parallel.tensor: tensor and pipeline parallel "
+                                                                    "are PyTorch-only here"),
+    ({"tensor": 2}, {"backend": "deepspeed"}, "parallel.tensor: combines with backend ddp or fsdp"),
+    ({"tensor": 3}, {}, "parallel.tensor: 3 does not divide the transformer's 4 attention heads"),
+    ({"pipeline": 2}, {"model": {"name": "transformer", "params": {"tie_weights": True}}},
+     "parallel.pipeline: the transformer's tied embedding and head"),
+    ({"pipeline": 2, "microbatches": 3}, {}, "parallel.microbatches: 3 must divide data.batch_size 8"),
+    ({"microbatches": 2}, {}, "parallel.microbatches: only used with parallel.pipeline > 1"),
+    ({"tensor_plan": "x.y:z"}, {}, "parallel.tensor_plan: only used with parallel.tensor > 1"),
+    ({"pipeline": 2, "stage_boundaries": [1, 2]}, {}, "parallel.stage_boundaries: 2 stages need 1 boundaries"),
+    ({"pipeline": 2, "stage_boundaries": [0]}, {}, "parallel.stage_boundaries: must increase and start above 0"),
+    ({"pipeline": 2, "stages_per_rank": 2}, {}, "parallel.stages_per_rank: more than one model chunk per rank "
+                                                "needs schedule interleaved_1f1b"),
+    ({"data": "most"}, {}, "parallel.data: expected auto or a positive integer"),
+])
+def test_bad_layouts_are_one_line_errors(parallel: dict, top: dict, message: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        spec_with(parallel, **top)
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_parallel_is_part_of_the_spec_digest_but_not_of_the_model_digest() -> None:
+    plain, split = spec_with({}), spec_with({"tensor": 2})
+    assert plain.digest() != split.digest()  # ranks must agree on the layout
+    assert plain.model_digest() == split.model_digest()  # checkpoints move between layouts
+
+
+def test_cli_exit_code_2_for_a_bad_layout(tmp_path) -> None:
+    result = subprocess.run([sys.executable, "-m", "polytrain.cli", "train", "--set", "model.name=transformer",
+                             "--set", "data.name=tokens", "--set", "parallel.tensor=3", "--set", f"output={tmp_path}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "polytrain: error: parallel.tensor: 3 does not divide the transformer's 4 attention heads "
+        "(model.params.n_heads); each rank computes whole heads"]
