@@ -134,3 +134,63 @@ def test_one_process_checkpoint_resumes_at_pipeline2_tensor2(one_process: tuple,
     loss_rel, weight_rel = differences(losses, state, ref_losses[SAVED:], ref_state)
     assert len(losses) == STEPS - SAVED
     assert loss_rel < 1e-5 and weight_rel < 1e-5
+
+
+USER = ["model.name=tp_user_model:make", "data.name=digits", "optimizer.name=sgd", "optimizer.lr=0.1",
+        "optimizer.momentum=0.9", "loop.epochs=1", "loop.max_steps=20", "loop.log_every_n_steps=1",
+        "data.global_batch_size=32"]
+HERE = Path(__file__).resolve().parent
+
+
+def train_user(out: Path, nproc: int, sets: list[str], *, timeline: Path | None = None):
+    args = ["train", "--quiet", *[a for s in [*USER, *sets, f"output={out}"] for a in ("--set", s)]]
+    if timeline is not None:
+        args += ["--timeline", str(timeline)]
+    prefix = [sys.executable, "-m"] if nproc == 1 else [
+        str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        "-m"]
+    return run([*prefix, "polytrain.cli", *args], timeout=400, env=loopback_env(PYTHONPATH=str(HERE)))
+
+
+def user_result(out: Path) -> tuple[np.ndarray, dict]:
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    state, manifest = read_model(out)
+    assert len(set(manifest["rank_state_digests"])) == 1
+    return np.array([e["loss"] for e in events if e["event"] == "step"]), state
+
+
+def test_a_user_model_with_its_own_plan_and_a_pipeline_timeline(tmp_path: Path) -> None:
+    """``parallel.tensor_plan`` splits a user's model; the same model cut into 2 pipeline stages shows each
+    stage's forward and backward per micro-batch, and the bubbles, on the timeline."""
+    check(train_user(tmp_path / "one", 1, ["backend=ddp"]))
+    ref_losses, ref_state = user_result(tmp_path / "one")
+    check(train_user(tmp_path / "tp", 2, ["backend=ddp", "parallel.tensor=2", "parallel.tensor_plan=tp_user_model:plan"]))
+    losses, state = user_result(tmp_path / "tp")
+    assert differences(losses, state, ref_losses, ref_state) < (1e-5, 1e-5)
+    trace_file = tmp_path / "trace.json"
+    check(train_user(tmp_path / "pp", 2, ["backend=ddp", "parallel.pipeline=2", "parallel.microbatches=4"],
+                     timeline=trace_file))
+    losses, state = user_result(tmp_path / "pp")
+    loss_rel, weight_rel = differences(losses, state, ref_losses, ref_state)
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    stage_events = [e for e in events if e.get("cat") == "pipeline" and e["name"] in ("forward", "backward")]
+    for rank in (0, 1):  # one stage per rank, 4 micro-batches a step, forward and backward of each
+        mine = [e for e in stage_events if e["pid"] == rank]
+        assert {e["args"]["stage"] for e in mine} == {rank}
+        for name in ("forward", "backward"):
+            micro = [e["args"]["micro"] for e in mine if e["name"] == name]
+            assert len(micro) >= 20 * 4 and set(micro) == {0, 1, 2, 3}
+    bubbles = [e for e in events if e.get("cat") == "pipeline" and e["name"] == "bubble"]
+    assert {e["pid"] for e in bubbles} == {0, 1} and all(e["dur"] > 0 for e in bubbles)
+
+
+def test_a_plan_naming_a_missing_module_is_one_line(tmp_path: Path) -> None:
+    result = train_user(tmp_path, 2, ["backend=ddp", "parallel.tensor=2",
+                                      "parallel.tensor_plan=tp_user_model:broken_plan"])
+    assert result.returncode != 0
+    assert "adapters/torch" not in result.stderr  # no rank's traceback (torchrun prints its own)
+    errors = {line for line in result.stderr.splitlines() if line.startswith("polytrain: error:")}
+    assert errors == {"polytrain: error: parallel.tensor_plan: no submodule 'layers.0.gate' in ResidualMLP (the plan "
+                      "names 1 missing module(s)); use names from model.named_modules()"}, result.stderr[-2000:]
+    assert not result.left_behind

@@ -1,7 +1,8 @@
 """Running the pipeline: ``torch.distributed.pipelining`` stages and schedules, one per batch shape.
 
 A `PipelineStage` learns the shapes it sends and receives on its first step; a batch of another size (an
-epoch's last, smaller step, or a validation batch) gets a stage and schedule of its own, built once and kept.
+epoch's last, smaller step, or a validation batch) gets a stage and schedule of its own, built once and kept,
+cut into equal micro-batches (the most, up to ``parallel.microbatches``, that divide it).
 Every stage's forward and backward of every micro-batch is a span on the timeline (track ``pipeline stages``, with its stage), and
 the idle time between them within a step is recorded as ``bubble`` spans — what `bench/pipeline_bubble.py`
 measures against the theoretical (P − 1) / (M + P − 1).
@@ -19,6 +20,7 @@ from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
 
 from polytrain.adapters.torch.parallel.pipeline import StageModule
@@ -73,12 +75,18 @@ class PipelineRunner:
     def _schedule(self, n: int, train: bool) -> Any:
         key = (n, train)
         if key not in self._schedules:
-            chunks = max(1, min(self.microbatches, n))
+            # a stage learns one micro-batch shape: a batch is cut into equal micro-batches only, the most up to
+            # parallel.microbatches that divide it (an epoch's smaller last step or a validation batch may get fewer)
+            chunks = max(d for d in range(1, max(1, min(self.microbatches, n)) + 1) if n % d == 0)
             pipes = [TimedStage(module, index, self.total, self.device, group=self.group,
                                 timeline=self.timeline, spans=self._spans) for index, module in self.stages]
             loss = self._scaled_loss if train else None
+            looped = self.kind == "interleaved_1f1b"
             cls = SCHEDULES[self.kind]
-            target = pipes if self.kind == "interleaved_1f1b" else pipes[0]
+            # forward only, or fewer micro-batches than 1F1B needs (one per rank): all forwards, then backwards
+            if not train or (self.kind != "gpipe" and chunks < self.total // len(self.stages)):
+                cls = ScheduleLoopedBFS if looped else ScheduleGPipe
+            target = pipes if looped else pipes[0]
             self._schedules[key] = cls(target, n_microbatches=chunks, loss_fn=loss, scale_grads=False)
         return self._schedules[key]
 
