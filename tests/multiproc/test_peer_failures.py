@@ -32,10 +32,14 @@ SURVIVOR_LINE = re.compile(r"polytrain: error: rank 0: a collective failed durin
 #: What the survivor says about the lost rank: its heartbeat stopped — in the rendezvous store on torch, in
 #: the store rank 0 hosts for the watchdog on TensorFlow. Its last heartbeat is up to a second old.
 LOST = {"torch-ddp": "rank 1 stopped responding (last seen in ",
+        "torch-tensor2": "rank 1 stopped responding (last seen in ",
         "tensorflow-tf-multiworker": "rank 1 stopped responding (last seen in "}
 
 CASES = {
     "torch-ddp": ["framework=torch", "backend=ddp", "model.name=faulty_model:make"],
+    # tensor parallel: the survivor waits in a collective of the tensor-parallel group (its own process group)
+    "torch-tensor2": ["framework=torch", "backend=ddp", "model.name=tp_user_model:make_faulty", "parallel.tensor=2",
+                      "parallel.tensor_plan=tp_user_model:plan"],
     "tensorflow-tf-multiworker": ["framework=tensorflow", "backend=tf-multiworker", "model.name=faulty_keras:make"],
 }
 

@@ -65,3 +65,26 @@ def broken_plan(model: ResidualMLP, mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     return {"layers.0.gate": ColwiseParallel()}
+
+
+class FaultyResidualMLP(ResidualMLP):
+    """SIGKILLs itself at the ``FAULT_AT``-th training forward on rank ``FAULT_RANK`` (as faulty_model.py)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+        import signal
+
+        if self.training:
+            self.calls += 1
+            if os.environ.get("RANK") == os.environ.get("FAULT_RANK") and self.calls == int(os.environ["FAULT_AT"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
+def make_faulty(info: Any, width: int = 32, depth: int = 4) -> ResidualMLP:
+    inputs = 1
+    for d in info.input_shape:
+        inputs *= d
+    return FaultyResidualMLP(inputs, width, depth, info.num_outputs)
