@@ -98,13 +98,3 @@ def gather_stages(mine: dict[str, torch.Tensor], pp_group: Any | None, order: li
         merged = {k: torch.from_numpy(v) for part in parts for k, v in part.items()}
     rank = {name: i for i, name in enumerate(order)}
     return dict(sorted(merged.items(), key=lambda item: (rank.get(item[0].split("/", 1)[0], len(rank)), item[0])))
-
-
-def place_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a whole tensor, laid out like ``param`` (a DTensor's shard, or the whole)."""
-    if isinstance(param, DTensor):
-        from torch.distributed.tensor import distribute_tensor
-
-        full = full.to(param.device, param.dtype)
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-    return full.to(param.device, param.dtype)
