@@ -135,7 +135,10 @@ class MpirunLauncher(CommandLauncher):
         return flavour
 
     def binary_name(self, req: LaunchRequest) -> str:
-        return "mpiexec" if self.flavour(req) == HYDRA else "mpirun"
+        if self.flavour(req) != HYDRA:
+            return "mpirun"
+        # a venv's Open MPI also installs an `mpiexec`, found first: Hydra's own name, where it has one
+        return "mpiexec.hydra" if find_binary("mpiexec.hydra") else "mpiexec"
 
     def build_command(self, req: LaunchRequest, cpu_count: int | None = None) -> list[str]:
         refuse_restarts(req)
