@@ -22,7 +22,7 @@ parameters with DTensors, so `wrap` builds the spec's optimizer again over them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -154,22 +154,32 @@ class FSDPBackend(TorchBackend):
 
     def load_full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: Mapping[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
+        load_optimizer_state_dcp(model, optimizer, state, self.device)
 
-        options = StateDictOptions(full_state_dict=True)
-        current = get_optimizer_state_dict(model, optimizer, options=options)
-        known = {name for group in current["param_groups"] for name in group["params"]}
-        slots: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in state.items():
-            name, _, slot = key.rpartition("/")
-            if name not in known:
-                from polytrain.checkpoint import CheckpointError
 
-                raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
-            slots.setdefault(name, {})[slot] = value.clone() if value.ndim == 0 else value.to(self.device)
+def load_optimizer_state_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, torch.Tensor],
+                             device: torch.device, elsewhere: Container[str] = ()) -> None:
+    """Portable optimizer state (``<parameter>/<slot>``) into a model of DTensor parameters, through
+    torch.distributed.checkpoint; state of the parameters named in ``elsewhere`` (held by other ranks, as
+    other pipeline stages' are) is skipped, of any other unknown parameter refused."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    current = get_optimizer_state_dict(model, optimizer, options=options)
+    known = {name for group in current["param_groups"] for name in group["params"]}
+    slots: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        name, _, slot = key.rpartition("/")
+        if name in known:
+            slots.setdefault(name, {})[slot] = value.clone() if value.ndim == 0 else value.to(device)
+        elif name not in elsewhere:
+            from polytrain.checkpoint import CheckpointError
+
+            raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
+    if slots:
         set_optimizer_state_dict(model, optimizer, {"state": slots, "param_groups": current["param_groups"]},
                                  options=options)

@@ -193,24 +193,8 @@ class ParallelBackend(TorchBackend):
 
     def load_full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: Mapping[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
+        from polytrain.adapters.torch.fsdp import load_optimizer_state_dcp
 
-        options = StateDictOptions(full_state_dict=True)
-        current = get_optimizer_state_dict(model, optimizer, options=options)
-        known = {name for group in current["param_groups"] for name in group["params"]}
-        slots: dict[str, dict[str, torch.Tensor]] = {}
-        for key, value in from_portable(state, self.head_major).items():
-            name, _, slot = key.rpartition("/")
-            if name in known:  # another stage's parameters are another rank's
-                slots.setdefault(name, {})[slot] = value.clone() if value.ndim == 0 else value.to(self.device)
-            elif name not in self.shapes:
-                from polytrain.checkpoint import CheckpointError
-
-                raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
-        if slots:
-            set_optimizer_state_dict(model, optimizer, {"state": slots, "param_groups": current["param_groups"]},
-                                     options=options)
+        # another stage's parameters are another rank's
+        load_optimizer_state_dcp(model, optimizer, from_portable(state, self.head_major), self.device,
+                                 elsewhere=self.shapes)
