@@ -9,9 +9,11 @@ Horovod-style scripts accept a ``--local_rank`` argument.
 Single node: DeepSpeed forces ``MASTER_ADDR=127.0.0.1``; polytrain picks a free
 ``--master_port`` (DeepSpeed's default 29500 collides with other jobs). Several
 hosts: DeepSpeed needs a hostfile (``host slots=N``); given ``-H``, `run` writes
-one to a temporary file. Multi-node runs use DeepSpeed's default pdsh unless
-``-- --launcher openmpi`` (etc.) is passed, and only variables with DeepSpeed's
-export prefixes or listed in ``.deepspeed_env`` reach remote workers.
+one to a temporary file. Several hosts: ``run`` starts ``deepspeed --no_ssh
+--node_rank i`` on each host over ssh (`ssh_fanout`; ``--dry-run`` prints every
+host's command) unless ``-- --launcher openmpi`` (etc.) asks for DeepSpeed's own
+multi-node runner, where only variables with DeepSpeed's export prefixes or listed
+in ``.deepspeed_env`` reach remote workers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 import os
 import tempfile
 
+from polytrain.launchers import ssh_fanout
 from polytrain.launchers.base import (
     CommandLauncher,
     LaunchRequest,
@@ -45,6 +48,12 @@ def _needs_hostfile(req: LaunchRequest) -> bool:
     return not is_single_local_host(req)
 
 
+def _fans_out(req: LaunchRequest) -> bool:
+    """Several hosts and no ``--launcher`` of DeepSpeed's own among the extra arguments: ssh fan-out."""
+    return bool(req.hosts) and _needs_hostfile(req) and not any(
+        arg == "--launcher" or arg.startswith("--launcher=") for arg in req.extra_args)
+
+
 class DeepspeedLauncher(CommandLauncher):
     name = binary = "deepspeed"
 
@@ -64,13 +73,18 @@ class DeepspeedLauncher(CommandLauncher):
         return command + list(req.extra_args) + _program_args(req.program)
 
     def describe(self, req: LaunchRequest) -> str:
-        text = super().describe(req)
+        fans_out = _fans_out(req)
+        text = ssh_fanout.describe(ssh_fanout.deepspeed_commands(req)) if fans_out else super().describe(req)
         if _needs_hostfile(req) and not req.hostfile:
             lines = to_deepspeed_hostfile(req.hosts).splitlines()
             text = "\n".join([f"# {HOSTFILE_PLACEHOLDER}:", *(f"#   {line}" for line in lines), text])
         return text
 
     def run(self, req: LaunchRequest) -> int:
+        if _fans_out(req):
+            refuse_restarts(req)
+            check_slots(req)
+            return ssh_fanout.run("deepspeed", req, ssh_fanout.deepspeed_commands)
         if not _needs_hostfile(req) or req.hostfile:
             return super().run(req)
         with tempfile.TemporaryDirectory(prefix="polytrain-deepspeed-") as tmp:

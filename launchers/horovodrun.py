@@ -167,6 +167,11 @@ class HorovodrunLauncher(CommandLauncher):
             command.append("--verbose")
         return command + list(req.extra_args) + list(req.program)
 
+    def launcher_env(self, req: LaunchRequest) -> dict[str, str]:
+        """horovodrun passes its environment on to every worker, also over ssh: MASTER_ADDR/MASTER_PORT for
+        torch.distributed backends (Horovod's own rendezvous is not a torch store), then ``req.env``."""
+        return mpirun.worker_env(req)
+
     def describe(self, req: LaunchRequest) -> str:
         if find_binary(self.binary) is not None:
             return super().describe(req)

@@ -13,7 +13,7 @@ the group reaches the worker and anything it started. The rules:
 
 What is said about a failure is the caller's: ``on_failure`` gets every process's
 return code (Popen's: -N for signal N, None while running) once one has failed.
-``stdout``/``stderr`` (file descriptors) replace the ones the processes inherit.
+``stdin``/``stdout``/``stderr`` (file descriptors) replace the ones the processes inherit.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def supervise(
     on_failure: Callable[[Sequence[int | None]], None] | None = None,
     stdout: int | None = None,
     stderr: int | None = None,
+    stdin: int | None = None,
 ) -> Outcome:
     """Run ``commands[i]`` with environment ``envs[i]`` concurrently; see the module doc."""
     if len(commands) != len(envs):
@@ -127,7 +128,7 @@ def supervise(
                     break
                 try:
                     procs.append(subprocess.Popen(list(command), env=dict(env), start_new_session=True,
-                                                  stdout=stdout, stderr=stderr))
+                                                  stdin=stdin, stdout=stdout, stderr=stderr))
                 except OSError as exc:
                     raise LaunchError(f"cannot start {command[0]!r}: {exc.strerror or exc}") from exc
             code, signalled_at = 0, None

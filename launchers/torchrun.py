@@ -4,8 +4,9 @@ Single node: c10d rendezvous on ``127.0.0.1:<port>`` (a free one, chosen by ``wi
 pinned to loopback — unlike ``--standalone`` this never depends on how the
 machine's hostname resolves, and workers get ``MASTER_ADDR=127.0.0.1``.
 Several nodes: c10d rendezvous at ``--master-addr`` (default: the first host),
-port ``--master-port`` (default 29400, torchrun's own); the same command must
-run on every node, so ``run`` refuses and ``--dry-run`` prints it.
+port ``--master-port`` (default 29400, torchrun's own); ``build_command`` is the
+one command to run by hand on every node; with ``-H``/``--hostfile``, ``run`` starts torchrun on each
+host over ssh and ``--dry-run`` prints every host's command (`ssh_fanout`).
 
 Python programs are handed over the way torchrun wants them: ``-m module`` or
 the script path (torchrun adds its own interpreter); anything else goes with
@@ -15,6 +16,7 @@ the script path (torchrun adds its own interpreter); anything else goes with
 from __future__ import annotations
 
 from polytrain.errors import LaunchError
+from polytrain.launchers import ssh_fanout
 from polytrain.launchers.base import (
     CommandLauncher,
     LaunchRequest,
@@ -56,11 +58,18 @@ class TorchrunLauncher(CommandLauncher):
         command.append(f"--max_restarts={req.max_restarts}")
         return command + list(req.extra_args) + _program_args(req.program)
 
+    def describe(self, req: LaunchRequest) -> str:
+        if req.hosts and not is_single_local_host(req):
+            return ssh_fanout.describe(ssh_fanout.torchrun_commands(req))
+        return super().describe(req)
+
     def run(self, req: LaunchRequest) -> int:
-        if req.num_nodes > 1 or not is_single_local_host(req):
+        if req.hosts and not is_single_local_host(req):
+            return ssh_fanout.run("torchrun", req, ssh_fanout.torchrun_commands)
+        if req.num_nodes > 1:
             raise LaunchError(
-                f"torchrun starts the workers of one node only: run the --dry-run command on each of the "
-                f"{req.num_nodes} hosts, or use --launcher srun or mpirun"
+                f"torchrun on {req.num_nodes} nodes without a host list: run the --dry-run command on each "
+                f"node, or give the hosts with -H/--hostfile (polytrain then starts them over ssh)"
             )
         return super().run(req)
 

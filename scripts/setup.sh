@@ -4,7 +4,8 @@
 #   scripts/setup.sh         # what the default job needs, in ./.venv: torch 2.13, Open MPI, mpi4py,
 #                            # polytrain (about a minute on a fresh machine)
 #   scripts/setup.sh --all   # everything the tests and the tour use: also TensorFlow 2.21 + Keras 3,
-#                            # pyarrow and Pillow (file data), DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools
+#                            # pyarrow and Pillow (file data), DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools,
+#                            # and, as root with apt-get, the Debian packages of tests/cluster (sshd, Slurm, munge, MPICH)
 #
 # A set-up with --all also satisfies a later plain run.
 #
@@ -53,6 +54,26 @@ gpu_extras() {  # with a GPU, the tensorflow extra becomes tensorflow-cuda
     echo "$list"
 }
 extras="$(gpu_extras "$extras")"
+
+# --all: the Debian packages tests/cluster uses (one sshd per namespace host, Slurm + munge, MPICH beside the
+# venv's Open MPI, ip/tc). Checked on every run, stamp or not: a fresh CI machine gets them. Only as root with
+# apt-get; elsewhere one line, and those tests skip. /usr/bin's MPI never shadows the venv's (.venv/bin first).
+CLUSTER_PACKAGES=(openssh-server openssh-client slurm-wlm munge mpich iproute2)
+cluster_packages() {
+    local missing=() pkg
+    for pkg in "${CLUSTER_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+    done
+    [ "${#missing[@]}" -eq 0 ] && return 0
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        say "not root or no apt-get: not installing ${missing[*]} (tests/cluster will skip)"
+        return 0
+    fi
+    say "installing ${missing[*]} (Debian packages for tests/cluster)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+if [ "$profile" = all ]; then cluster_packages; fi
 
 # A stamp of everything that decides what gets installed: when it matches, there is nothing to do.
 # A plain run is also satisfied by the stamp of a default --all set-up (a superset of it).

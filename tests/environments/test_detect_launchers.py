@@ -19,6 +19,7 @@ EXPECTED = {
     "horovodrun_mpi_openmpi5_rank1": (1, 2, 1, 2, 0, 1, "127.0.0.1", None, "horovodrun-mpi"),
     "intelmpi_rank2": (2, 4, 0, 2, 1, 2, None, None, "intelmpi"),
     "lsf_jsrun_rank7": (7, 12, 1, 6, 1, 2, "a01n01", 10000 + 1234567 % 20000, "lsf"),
+    "mpich402_hydra_rank3": (3, 4, 1, 2, 1, 2, None, None, "mpich"),  # real, from tests/cluster
     "mpich5_rank1": (1, 2, 1, 2, 0, 1, "127.0.0.1", None, "mpich"),
     "mvapich2_rank1": (1, 4, 1, 2, 0, 2, None, None, "mvapich"),
     "openmpi4_in_slurm_rank3": (3, 4, 1, 2, 1, 2, None, None, "openmpi"),
@@ -27,6 +28,8 @@ EXPECTED = {
     "openmpi5_rank1": (1, 2, 1, 2, 0, 1, "127.0.0.1", None, "openmpi"),
     "polytrain_local_rank1": (1, 2, 1, 2, 0, 1, "127.0.0.1", 29533, "polytrain-local"),
     "slurm_batch_shell": (0, 1, 0, 1, 0, 1, "127.0.0.1", None, "single"),
+    "slurm2205_sbatch_srun_rank3": (3, 4, 1, 2, 1, 2, "h1", 10006, "slurm"),  # real, from tests/cluster
+    "slurm2205_srun_uneven_rank2": (2, 3, 0, 1, 1, 2, "h1", 10007, "slurm"),  # real, from tests/cluster
     "slurm_srun_rank3": (3, 4, 1, 2, 1, 2, "node07", 14242, "slurm"),
     "slurm_srun_uneven_rank4": (4, 5, 0, 1, 2, 3, "gpu1", 10977, "slurm"),
     "srun_mpi_pmi2_rank1": (1, 2, 1, 2, 0, 1, "node07", 14243, "slurm"),

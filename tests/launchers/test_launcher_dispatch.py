@@ -141,9 +141,10 @@ def test_binary_beside_the_interpreter_wins_over_path(monkeypatch, tmp_path):
 
 def test_horovodrun_dry_run_uses_the_real_binary_when_present(no_binaries, capsys):
     fake = _fake_binary(no_binaries, "horovodrun")
-    req = LaunchRequest(launcher="horovodrun", nproc=2, program=(PY, "t.py"), env={"A": "1"})
+    req = LaunchRequest(launcher="horovodrun", nproc=2, program=(PY, "t.py"), env={"A": "1"}, master_port=4243)
     assert run(req, dry_run=True) == 0
-    assert capsys.readouterr().out.strip() == f"A=1 {fake} -np 2 {PY} t.py"
+    # horovodrun hands its environment to every worker: MASTER_* there serve torch.distributed backends
+    assert capsys.readouterr().out.strip() == f"MASTER_ADDR=127.0.0.1 MASTER_PORT=4243 A=1 {fake} -np 2 {PY} t.py"
 
 
 def test_horovodrun_dry_run_without_binary_describes_the_fallback(no_binaries, capsys):

@@ -89,6 +89,30 @@ def test_uneven_split_is_an_error():
         build_command(req(nproc=3, hosts=[("n1", 2), ("n2", 2)]))
 
 
-def test_run_refuses_multi_node():
-    with pytest.raises(LaunchError, match="run the --dry-run command on each of the 2 hosts"):
-        torchrun.LAUNCHER.run(req(nproc=4, hosts=[("n1", 2), ("n2", 2)]))
+def test_run_refuses_multi_node_without_hosts():
+    with pytest.raises(LaunchError, match="torchrun on 2 nodes without a host list: .* -H/--hostfile"):
+        torchrun.LAUNCHER.run(req(nproc=4, nnodes=2, master_addr="10.0.0.5"))
+
+
+def test_multi_host_dry_run_prints_every_host_over_ssh():
+    """With hosts, each host gets its own torchrun over ssh: static rendezvous at the first host, node ranks
+    in host order, the working directory and the forwarded variables on the remote command line."""
+    from polytrain.launchers import ssh_fanout
+
+    r = req(nproc=4, hosts=[("n1", 2), ("n2", 2)], master_port=None, program=SPEC, env={"A": "1 2"})
+    items = ssh_fanout.torchrun_commands(r, environ={"GLOO_X": "y", "HOME": "/root"})
+    assert [(i.host, i.node_rank) for i in items] == [("n1", 0), ("n2", 1)]
+    assert items[1].env == {"GLOO_X": "y", "A": "1 2"}
+    assert items[1].command[1:8] == ("--nnodes=2", "--nproc_per_node=2", "--node_rank=1", "--master_addr=n1",
+                                     "--master_port=29400", "--max_restarts=0", "-m")
+    ssh = ssh_fanout.ssh_command(items[1], cwd="/w d")
+    assert ssh[:4] == ["ssh", "-o", "BatchMode=yes", "n2"]
+    assert ssh[4].startswith("cd '/w d' && exec env GLOO_X=y 'A=1 2' ") and "-m polytrain.launchers.ssh_guard -- " in ssh[4]
+    text = torchrun.LAUNCHER.describe(r)
+    assert "# n1: node 0 of 2" in text and "# n2: node 1 of 2" in text and text.count("ssh -o BatchMode=yes") == 2
+
+
+def test_the_fanout_and_its_guard_agree_on_the_hostfile_placeholder():
+    from polytrain.launchers import ssh_fanout, ssh_guard
+
+    assert ssh_fanout.HOSTFILE_ARG == ssh_guard.HOSTFILE_ARG

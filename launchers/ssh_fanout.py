@@ -1,0 +1,165 @@
+"""Several hosts over SSH: one per-node launcher on each host, as DeepSpeed's runner does with pdsh.
+
+``polytrain launch --launcher torchrun -H h1:2,h2:2 SPEC`` runs, for node ``i`` of ``N``::
+
+    ssh h<i> 'cd <cwd> && exec env VAR=... <python> -m polytrain.launchers.ssh_guard -- \
+        <torchrun> --nnodes=N --nproc_per_node=k --node_rank=i --master_addr=h1 --master_port=P ...'
+
+- torchrun's static rendezvous (``--node_rank``): node ranks follow the host order, so rank 0 is on the
+  first host (as with ``mpirun -H``) and the store lives there; ``--master-addr``/``--master-port`` override
+  (default: the first host, port 29400). DeepSpeed: ``deepspeed --no_ssh --node_rank i --hostfile F`` per
+  host (DeepSpeed's own per-node mode; its multi-node runner needs pdsh, which clusters rarely have). Given
+  ``-- --launcher X`` DeepSpeed's own runner is used instead, as before.
+- The venv, the repository and the working directory are assumed to have the same paths on every host
+  (a shared home, as DeepSpeed's runner assumes too). ssh does not carry the environment: ``-x`` variables
+  and this process's ``POLYTRAIN_*``, ``GLOO_*``, ``NCCL_*``, ``TP_*``, ``TORCH_*``, ``OMP_*``, ``MKL_*``,
+  ``TF_*`` and ``PYTHON*`` variables are set explicitly on the remote command line.
+- ``ssh`` is whatever ``ssh`` is on PATH, with the user's ssh configuration (``BatchMode=yes``: a host that
+  asks for a password fails at once instead of hanging).
+- The guard (`ssh_guard`, on the remote host) runs the launcher in a session of its own and watches its stdin,
+  which is the ssh connection: when the connection closes (this process stopped that ssh, or died) it stops
+  the launcher's whole process group — SIGTERM, then SIGKILL — so nothing outlives the job on any host.
+- Output: each host's stdout and stderr are passed on as they come (lines are not prefixed: the workers say
+  their rank, and the failure report reads the launcher's own lines). The exit code is the first non-zero
+  one of any host; when a host fails, the others are stopped, and one line says which host failed first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+from polytrain.errors import LaunchError
+from polytrain.launchers import exit_board
+from polytrain.launchers.base import LaunchRequest, find_binary, format_command, procs_per_node, python_entry
+from polytrain.launchers.failure_report import report_launcher_failure
+from polytrain.launchers.hostfile import to_deepspeed_hostfile
+from polytrain.launchers.launcher_output import LauncherOutput
+from polytrain.launchers.processes import exit_code, supervise
+
+DEFAULT_TORCHRUN_PORT = 29400
+DEFAULT_DEEPSPEED_PORT = 29500
+FORWARDED_PREFIXES = ("POLYTRAIN_", "GLOO_", "NCCL_", "TP_", "TORCH_", "OMP_", "MKL_", "TF_", "PYTHON")
+HOSTFILE_ARG = "{hostfile}"  # = ssh_guard.HOSTFILE_ARG (not imported: `python -m` of a module imported already warns)
+SSH_FAILED = 255  # ssh's own exit code when it cannot connect or the connection breaks
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCommand:
+    """What runs on one host: ``command`` in ``cwd`` with ``env``, under the guard."""
+
+    host: str
+    node_rank: int
+    command: tuple[str, ...]
+    env: Mapping[str, str]
+    hostfile_text: str | None = None
+
+
+def forwarded_env(req: LaunchRequest, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables set on every remote command line: this process's forwarded ones, then ``req.env``."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) and k != "PYTHONHOME"}
+    return {**env, **req.env}
+
+
+def _master(req: LaunchRequest, default_port: int) -> tuple[str, int]:
+    return req.master_addr or req.hosts[0][0], req.master_port or default_port
+
+
+def torchrun_commands(req: LaunchRequest, environ: Mapping[str, str] | None = None) -> list[HostCommand]:
+    """One torchrun per host, static rendezvous at the first host; node ranks in host order."""
+    per_node = procs_per_node(req)
+    addr, port = _master(req, DEFAULT_TORCHRUN_PORT)
+    kind, rest = python_entry(req.program)
+    program = {"module": ["-m"], "script": [], "exec": ["--no_python"]}[kind] + rest
+    torchrun = find_binary("torchrun") or "torchrun"
+    env = forwarded_env(req, environ)
+    return [
+        HostCommand(host, i, (torchrun, f"--nnodes={req.num_nodes}", f"--nproc_per_node={per_node}",
+                              f"--node_rank={i}", f"--master_addr={addr}", f"--master_port={port}",
+                              f"--max_restarts={req.max_restarts}", *req.extra_args, *program), env)
+        for i, (host, _) in enumerate(req.hosts)
+    ]
+
+
+def deepspeed_commands(req: LaunchRequest, environ: Mapping[str, str] | None = None) -> list[HostCommand]:
+    """One ``deepspeed --no_ssh --node_rank i`` per host, all reading the same hostfile (written on each host)."""
+    per_node = procs_per_node(req)
+    addr, port = _master(req, DEFAULT_DEEPSPEED_PORT)
+    kind, rest = python_entry(req.program)
+    program = {"module": ["--module"], "script": [], "exec": ["--no_python"]}[kind] + rest
+    deepspeed = find_binary("deepspeed") or "deepspeed"
+    env = forwarded_env(req, environ)
+    text = None if req.hostfile else to_deepspeed_hostfile(req.hosts)
+    return [
+        HostCommand(host, i, (deepspeed, "--hostfile", req.hostfile or HOSTFILE_ARG, "--no_ssh", "--node_rank",
+                              str(i), "--num_gpus", str(per_node), "--num_nodes", str(req.num_nodes),
+                              "--master_addr", addr, "--master_port", str(port), "--no_local_rank",
+                              *req.extra_args, *program), env, text)
+        for i, (host, _) in enumerate(req.hosts)
+    ]
+
+
+def ssh_command(item: HostCommand, cwd: str | None = None, ssh: str = "ssh") -> list[str]:
+    """``ssh -o BatchMode=yes HOST 'cd CWD && exec env ... python -m ...ssh_guard [...] -- COMMAND'``."""
+    guard = [sys.executable, "-m", "polytrain.launchers.ssh_guard"]
+    if item.hostfile_text is not None:
+        guard += ["--hostfile-text", item.hostfile_text]
+    inner = ["env", *(f"{k}={v}" for k, v in item.env.items()), *guard, "--", *item.command]
+    remote = f"cd {shlex.quote(cwd or os.getcwd())} && exec {shlex.join(inner)}"
+    return [ssh, "-o", "BatchMode=yes", item.host, remote]
+
+
+def describe(items: Sequence[HostCommand]) -> str:
+    """Every host's ssh line, each under a comment naming the host and its node rank."""
+    lines = []
+    for item in items:
+        lines += [f"# {item.host}: node {item.node_rank} of {len(items)}", format_command(ssh_command(item))]
+    return "\n".join(lines)
+
+
+def run(launcher: str, req: LaunchRequest,
+        build: Callable[[LaunchRequest], list[HostCommand]] = torchrun_commands) -> int:
+    """Start ``build(req)`` on every host over ssh and wait; the first non-zero exit code of any host."""
+    ssh = find_binary("ssh")
+    if ssh is None:
+        raise LaunchError(f"{launcher} on several hosts runs it on each over ssh, but ssh is not on PATH "
+                          f"(install openssh-client)")
+    with exit_board.board() as board:
+        req = dataclasses.replace(req, env={**req.env, exit_board.BOARD_VARIABLE: str(board)})
+        items = build(req)
+        commands = [ssh_command(item, ssh=ssh) for item in items]
+        outputs = [LauncherOutput(fd, debug=req.debug) for fd in (1, 2)]
+        failed: list[int | None] = []
+        read_end, write_end = os.pipe()  # the remote guards' stdin: closed when this process ends
+        try:
+            with exit_board.DeathWatch(board) as watch:
+                outcome = supervise(commands, [dict(os.environ)] * len(commands), stdout=outputs[0].open(),
+                                    stderr=outputs[1].open(), stdin=read_end,
+                                    on_failure=lambda codes: failed.extend(codes) if not failed else None)
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+            text = "\n".join(output.finish() for output in reversed(outputs))
+        if outcome.code and outcome.signal is None:
+            _report(launcher, items, failed, outcome.code, exit_board.read_board(board), text, watch)
+    return outcome.code
+
+
+def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | None], code: int,
+            records: Mapping[int, exit_board.RankRecord], text: str, watch: exit_board.DeathWatch) -> None:
+    """The host that failed first, then (unless only ssh failed, before any rank started) the rank."""
+    first = next((i for i, c in enumerate(failed) if c), None)
+    ssh_only = False
+    if first is not None:
+        host_code = exit_code(failed[first] or 0)
+        ssh_only = host_code == SSH_FAILED and not records
+        how = ("ssh could not reach it or lost the connection" if host_code == SSH_FAILED
+               else f"{launcher} exited with code {host_code}")
+        print(f"polytrain launch: host {items[first].host} (node {first} of {len(items)}): {how}; "
+              f"stopped the other hosts", file=sys.stderr, flush=True)
+    if not ssh_only:
+        report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records))

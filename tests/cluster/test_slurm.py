@@ -1,0 +1,130 @@
+"""A real Slurm on the cluster of network namespaces: slurmctld on h1, a slurmd on h1 and h2 (see slurm.py).
+
+- `polytrain launch --emit-sbatch` writes a script that ``sbatch`` runs across both hosts; the output shows
+  the Slurm environment polytrain detected from real srun variables, and the replicas end identical.
+- ``srun -N2 -n3`` (tasks per node 2,1): every rank's local size is the number of tasks on its own node.
+- A host's ranks SIGKILLed: the job ends non-zero, Slurm names the killed tasks, nothing is left.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from jobs import REPO, SPEC, WORKER_MARK, sets, trained
+from netns import Cluster
+from slurm import SlurmCluster, slurm_unavailable
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+PROBE = str(Path(__file__).resolve().parent / "world_probe.py")
+
+
+@pytest.fixture(scope="module")
+def slurm_daemons(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    why = slurm_unavailable()
+    if why:
+        pytest.skip(f"no Slurm here: {why}")
+    daemons = SlurmCluster(cluster, tmp_path_factory.mktemp("slurm"))
+    try:
+        daemons.start()
+        yield daemons
+    finally:
+        daemons.stop()
+
+
+@pytest.fixture
+def slurm(slurm_daemons: SlurmCluster) -> SlurmCluster:
+    """The module's daemons, restarted if the cluster's per-test clean-up ended them (it kills every process
+    in the namespaces but sshd); munged runs outside the namespaces and stays."""
+    return slurm_daemons.ensure()
+
+
+def emit_sbatch(path: Path, out: Path, *settings: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "polytrain.cli", "launch", "--emit-sbatch", str(path), "-np", "4",
+                           "-H", "h1:2,h2:2", str(SPEC), *sets(f"output={out}", *settings)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return path.read_text()
+
+
+def probes(folder: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+
+
+def test_emitted_sbatch_runs_across_two_hosts(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    script = emit_sbatch(tmp_path / "job.sh", out, "loop.max_steps=60")
+    assert "--nodelist=h1,h2" in script and "srun " in script
+    job = slurm.sbatch(tmp_path / "job.sh", f"--output={log}", f"--chdir={REPO}")
+    state = slurm.wait_job(job, timeout=240)
+    text = log.read_text()
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), f"{state}\n{text}\n{slurm.logs()}"
+    assert state["NodeList"] == "h[1-2]"
+    assert slurm.jobs() == [], "squeue still lists jobs"
+    # detected from the real srun variables: launcher slurm, 4 ranks over 2 nodes, master the job's first node
+    assert "torch/ddp on 4 process(es) (launcher: slurm)" in text, text
+    assert "multi-node; master h1)" in text, text
+    trained(out, 4, "ddp")
+    assert slurm.wait_no_processes(30) == {}, "processes left on the hosts"
+
+
+def test_srun_uneven_tasks_per_node(slurm: SlurmCluster, cluster: Cluster, tmp_path: Path) -> None:
+    """``srun -N2 -n3`` puts 2 tasks on h1 and 1 on h2: each rank's local size is its own node's count."""
+    h1 = cluster.hosts[0]
+    (tmp_path / "probe").mkdir()
+    done = h1.run(["srun", "-N2", "-n3", "--kill-on-bad-exit=1", sys.executable, PROBE, str(tmp_path / "probe")],
+                  env=slurm.env(), cwd=REPO, check=False, timeout=120)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    seen = probes(tmp_path / "probe")
+    assert sorted(p["world"]["rank"] for p in seen) == [0, 1, 2]
+    per_host = {h: sorted(p["world"]["local_rank"] for p in seen if p["host"] == h) for h in ("h1", "h2")}
+    assert per_host == {"h1": [0, 1], "h2": [0]}, per_host
+    for p in seen:
+        world = p["world"]
+        assert p["env"]["SLURM_STEP_TASKS_PER_NODE"] == "2,1"
+        assert (world["launcher"], world["size"], world["num_nodes"]) == ("slurm", 3, 2)
+        assert world["local_size"] == len(per_host[p["host"]]), p
+        assert world["node_rank"] == ["h1", "h2"].index(p["host"]), p
+        assert world["master_addr"] == "h1", p
+    out = tmp_path / "run"
+    done = h1.run(["srun", "-N2", "-n3", "--kill-on-bad-exit=1", sys.executable, "-m", "polytrain.cli", "train",
+                   str(SPEC), *sets(f"output={out}", "loop.max_steps=60")], env=slurm.env(), cwd=REPO,
+                  check=False, timeout=240)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert "torch/ddp on 3 process(es) (launcher: slurm)" in done.stdout + done.stderr
+    trained(out, 3, "ddp")
+
+
+def wait_for_step(metrics: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and '"event": "step"' in metrics.read_text()):
+        assert time.monotonic() < deadline, f"no training step in {metrics} within {timeout}s"
+        time.sleep(0.1)
+
+
+def test_sigkill_of_a_hosts_ranks_ends_the_job(slurm: SlurmCluster, cluster: Cluster, tmp_path: Path,
+                                               record_property) -> None:
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    emit_sbatch(tmp_path / "job.sh", out, "loop.epochs=100000")
+    job = slurm.sbatch(tmp_path / "job.sh", f"--output={log}", f"--chdir={REPO}")
+    wait_for_step(out / "metrics.jsonl")
+    victims = cluster.hosts[1].kill_all(WORKER_MARK)
+    killed_at = time.monotonic()
+    assert len(victims) == 2, victims
+    state = slurm.wait_job(job, timeout=120)
+    seconds = time.monotonic() - killed_at
+    record_property("slurm_sigkill_to_job_end_s", round(seconds, 2))
+    print(f"slurm: SIGKILL of h2's ranks -> job {job} ended in {seconds:.2f}s")
+    text = log.read_text()
+    print("\n".join(line for line in text.splitlines() if "error" in line or line.startswith("srun:")))
+    assert state["JobState"] == "FAILED" and state["ExitCode"] != "0:0", f"{state}\n{text}"
+    assert "srun: error: h2: tasks 2-3: Killed" in text, text  # srun names the node whose tasks were killed
+    assert "srun: error: h1: tasks 0-1:" in text, text  # and the survivors, ended by --kill-on-bad-exit
+    assert not (out / "model.safetensors").exists()
+    assert slurm.wait_no_processes(60) == {}, "processes left on the hosts"
