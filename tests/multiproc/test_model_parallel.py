@@ -181,6 +181,8 @@ def test_a_user_model_with_its_own_plan_and_a_pipeline_timeline(tmp_path: Path) 
         for name in ("forward", "backward"):
             micro = [e["args"]["micro"] for e in mine if e["name"] == name]
             assert len(micro) >= 20 * 4 and set(micro) == {0, 1, 2, 3}
+        backwards = sum(e["name"] == "backward" for e in mine)
+        assert backwards == 20 * 4  # training only: validation runs forward only
     bubbles = [e for e in events if e.get("cat") == "pipeline" and e["name"] == "bubble"]
     assert {e["pid"] for e in bubbles} == {0, 1} and all(e["dur"] > 0 for e in bubbles)
 

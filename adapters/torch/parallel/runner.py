@@ -32,9 +32,10 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
 class TimedStage(PipelineStage):
     """A `PipelineStage` that records each micro-batch's forward and backward on the timeline."""
 
-    def __init__(self, *args: Any, timeline: Timeline, spans: list[tuple[float, float]], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, timeline: Timeline, spans: list[tuple[float, float]], train: bool,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._timeline, self._spans = timeline, spans
+        self._timeline, self._spans, self._train = timeline, spans, train
 
     def _timed(self, what: str, chunk: int, run: Callable[[], Any]) -> Any:
         started = self._timeline.now()
@@ -50,6 +51,8 @@ class TimedStage(PipelineStage):
             fwd_chunk_id, *args, **kwargs))
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if not self._train:  # a forward-only schedule still calls it (and it returns at once): no span
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         return self._timed("backward", bwd_chunk_id, lambda: super(TimedStage, self).backward_one_chunk(
             bwd_chunk_id, *args, **kwargs))
 
@@ -79,7 +82,8 @@ class PipelineRunner:
             # parallel.microbatches that divide it (an epoch's smaller last step or a validation batch may get fewer)
             chunks = max(d for d in range(1, max(1, min(self.microbatches, n)) + 1) if n % d == 0)
             pipes = [TimedStage(module, index, self.total, self.device, group=self.group,
-                                timeline=self.timeline, spans=self._spans) for index, module in self.stages]
+                                timeline=self.timeline, spans=self._spans, train=train)
+                     for index, module in self.stages]
             loss = self._scaled_loss if train else None
             looped = self.kind == "interleaved_1f1b"
             cls = SCHEDULES[self.kind]
