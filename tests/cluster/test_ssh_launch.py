@@ -83,6 +83,9 @@ MPI_JOBS = {  # name: (launcher flags, framework, backend set in the spec, backe
     "mpirun-torch-ddp": (["--launcher", "mpirun"], "torch", "ddp", "ddp"),
     "mpirun-torch-mpi": (["--launcher", "mpirun"], "torch", "mpi", "mpi"),
     "mpirun-torch-horovod": (["--launcher", "mpirun"], "torch", "horovod", "horovod"),
+    # polytrain's own hvd (its MPI transport under mpirun) rather than the real Horovod installed here
+    "mpirun-torch-horovod-shim": (["--launcher", "mpirun", "-x", "POLYTRAIN_HOROVOD_IMPL=shim"], "torch", "horovod",
+                                  "horovod"),
     "mpirun-tf-mpi": (["--launcher", "mpirun"], "tensorflow", "mpi", "mpi"),
     "mpirun-tf-multiworker": (["--launcher", "mpirun"], "tensorflow", "tf-multiworker", "tf-multiworker"),
     "horovodrun-gloo-horovod": (["--launcher", "horovodrun", "--gloo"], "torch", "horovod", "horovod"),

@@ -37,8 +37,9 @@ LM = ["model.name=transformer", "data.name=tokens", "data.tokens.samples=640", "
 STEPS, SAVED = 22, 11
 LAYOUTS = {
     "tensor2": (2, ["backend=ddp", "parallel.tensor=2"]),
+    # cut by hand: 1 block, then 3 (balanced would be 2 and 2)
     "pipeline2-gpipe": (2, ["backend=ddp", "parallel.pipeline=2", "parallel.schedule=gpipe",
-                            "parallel.microbatches=4"]),
+                            "parallel.microbatches=4", "parallel.stage_boundaries=[1]"]),
     "pipeline2-1f1b": (2, ["backend=ddp", "parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.microbatches=4"]),
     "pipeline2-interleaved": (2, ["backend=ddp", "parallel.pipeline=2", "parallel.schedule=interleaved_1f1b",
                                   "parallel.microbatches=4"]),
