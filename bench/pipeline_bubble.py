@@ -34,32 +34,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from group_run import run_group  # bench/, first on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
 P = 2
 MODEL = {"d_model": 256, "n_heads": 4, "n_layers": 4, "tie_weights": False}
 VOCAB, SEQ = 256, 64
-
-
-def run_group(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> tuple[int, str]:
-    """Run ``cmd`` in a session of its own; past ``timeout`` kill its whole process group (torchrun's workers
-    too, which killing torchrun alone would leave behind). Returns the exit code and the output."""
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        sys.exit(f"{Path(__file__).name}: {what}: not done after {timeout:.0f} s (--timeout); killed")
-    return proc.returncode, out
 
 
 def train_command(schedule: str, m: int, mb_size: int, steps: int, out: Path, trace: Path) -> list[str]:
@@ -86,7 +72,8 @@ def train_command(schedule: str, m: int, mb_size: int, steps: int, out: Path, tr
 def run_once(schedule: str, m: int, mb_size: int, steps: int, root: Path, timeout: float) -> dict[str, Any]:
     out, trace = root / f"{schedule}-{m}", root / f"{schedule}-{m}.json"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    code, output = run_group(train_command(schedule, m, mb_size, steps, out, trace), env, timeout, f"{schedule} M={m}")
+    code, output = run_group(train_command(schedule, m, mb_size, steps, out, trace), env, timeout, f"{schedule} M={m}",
+                             cwd=REPO)
     if code != 0:
         sys.exit(f"pipeline_bubble.py: {schedule} M={m}: training failed (exit {code}):\n{output[-3000:]}")
     return json.loads(trace.read_text())

@@ -36,33 +36,18 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from group_run import run_group  # bench/, first on sys.path
 from lm_job import SEQ, VOCAB, open_lm_job  # bench/, first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 LM = {"d_model": 256, "n_heads": 8, "n_layers": 4, "tie_weights": False}
 BATCH = 8
-
-
-def run_group(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> tuple[int, str]:
-    """Run ``cmd`` in a session of its own; past ``timeout`` kill its whole process group (torchrun's workers
-    too, which killing torchrun alone would leave behind). Returns the exit code and the output."""
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        sys.exit(f"{Path(__file__).name}: {what}: not done after {timeout:.0f} s (--timeout); killed")
-    return proc.returncode, out
 
 
 def _local(t: Any) -> Any:
@@ -129,7 +114,7 @@ def launch(nproc: int, warmup: int, steps: int, out_file: Path, timeout: float) 
     cmd = [sys.executable, *program] if nproc == 1 else [
         str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
         f"--master_port={free_port()}", *program]
-    code, output = run_group(cmd, env, timeout, f"the run with {nproc} process(es)")
+    code, output = run_group(cmd, env, timeout, f"the run with {nproc} process(es)", cwd=REPO)
     if code != 0:
         sys.exit(f"tensor_parallel.py: the run with {nproc} process(es) failed (exit {code}):\n{output[-3000:]}")
     return json.loads(out_file.read_text())
