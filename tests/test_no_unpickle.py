@@ -68,6 +68,9 @@ ALLOWED: list[tuple[str, str, str, str]] = [
     ("adapters/tensorflow/multiworker.py", "MultiWorkerBackend.all_gather_object", "pickle.loads", IN_JOB),
     ("adapters/tensorflow/multiworker.py", "MultiWorkerBackend.broadcast_object", "all_gather_object", IN_JOB),
     ("adapters/torch/horovod.py", "HorovodBackend.broadcast_object", "broadcast_object", IN_JOB),
+    # the pipeline stages' full tensors (numpy arrays of this job's weights), gathered between the ranks of a
+    # pipeline group for the portable form
+    ("adapters/torch/parallel/state.py", "gather_stages", "all_gather_object", IN_JOB),
     ("adapters/torch/horovod.py", "HorovodBackend.all_gather_object", "allgather_object", IN_JOB),
     ("adapters/tensorflow/horovod.py", "HorovodBackend.broadcast_object", "broadcast_object", IN_JOB),
     ("adapters/tensorflow/horovod.py", "HorovodBackend.all_gather_object", "allgather_object", IN_JOB),
