@@ -95,7 +95,7 @@ class ParallelBackend(TorchBackend):
             stages = [module for _, module in placed]
             self.pipeline = PipelineRunner(placed, total, parallel.schedule, parallel.n_microbatches, self.device,
                                            self.pp_group, self.timeline)
-        self._stages = stages
+        self._stages, self._model = stages, model
         if self.name == "fsdp":
             self._shard(model, stages)
         return model, make_optimizer(self.spec.optimizer, model.parameters())
@@ -138,16 +138,9 @@ class ParallelBackend(TorchBackend):
         """After a micro-step's backward (or pipeline step): ``ddp`` averages over the data group on the last."""
         if self._sync and self.name == "ddp" and self.grid.data > 1:
             started = self.timeline.now()
-            nbytes = layout_state.average_gradients(self._model_params(), self.dp_group, self.grid.data)
+            nbytes = layout_state.average_gradients(self._model.parameters(), self.dp_group, self.grid.data)
             self.timeline.complete("gradient average (data group)", "collective", started, self.timeline.now(),
                                    track=COLLECTIVES, op="allreduce", bytes=nbytes)
-
-    def _model_params(self) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
-        for stage in self._stages:
-            for param in stage.parameters():
-                seen.setdefault(id(param), param)
-        return list(seen.values())
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         return layout_state.clip_gradients(list(model.parameters()), max_norm, self.pp_group)

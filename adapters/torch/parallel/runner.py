@@ -38,6 +38,8 @@ class TimedStage(PipelineStage):
         self._timeline, self._spans, self._train = timeline, spans, train
 
     def _timed(self, what: str, chunk: int, run: Callable[[], Any]) -> Any:
+        if not self._timeline.enabled:  # no timeline asked for: nothing to record per micro-batch
+            return run()
         started = self._timeline.now()
         out = run()
         ended = self._timeline.now()
@@ -69,11 +71,6 @@ class PipelineRunner:
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._spans: list[tuple[float, float]] = []
         self._loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        #: busy and total seconds of the steps run so far (for the bubble bench)
-        self.busy_s = self.step_s = 0.0
-
-    def modules(self) -> list[StageModule]:
-        return [module for _, module in self.stages]
 
     def _schedule(self, n: int, train: bool) -> Any:
         key = (n, train)
@@ -125,14 +122,10 @@ class PipelineRunner:
         return out if self.last else None
 
     def _record_bubbles(self, started: float, ended: float) -> None:
-        spans = sorted(self._spans)
-        busy = sum(end - start for start, end in spans)
-        self.busy_s += busy
-        self.step_s += ended - started
         if not self.timeline.enabled:
             return
         cursor = started
-        for start, end in [*spans, (ended, ended)]:
+        for start, end in [*sorted(self._spans), (ended, ended)]:
             if start > cursor:
                 self.timeline.complete("bubble", "pipeline", cursor, start, track=PIPELINE_IDLE)
             cursor = max(cursor, end)
