@@ -304,5 +304,5 @@ class CommandLauncher:
             if outcome.code and outcome.signal is None:
                 records = exit_board.read_board(board)
                 report_launcher_failure(self.binary_name(req), outcome.code, records, text,
-                                        watch.deaths_by_rank(records))
+                                        watch.deaths_by_rank(records), watch.signals_by_rank(records))
         return outcome.code

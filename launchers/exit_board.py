@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -179,35 +180,58 @@ def read_board(path: Path | str) -> dict[int, RankRecord]:
     return records
 
 
-def _alive(pid: int) -> bool:
+def _ended(pid: int) -> tuple[bool, int | None]:
+    """Whether ``pid`` has died, and the signal that killed it while that can still be read (an unreaped
+    zombie's exit status, /proc/<pid>/stat field 52); None when it exited, or was reaped before we looked."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return True, None
     except PermissionError:
-        return True
+        return False, None
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died, unreaped
+            fields = stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return True
+        return False, None  # reaped while we looked: the next look sees it gone
+    if not fields or fields[0] != "Z":
+        return False, None
+    status = int(fields[49]) if len(fields) > 49 and fields[49].isdigit() else 0
+    return True, (status & 0x7F) or None
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` dies (Linux 5.3+), or None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 class DeathWatch:
     """While the launcher runs: the moment each worker of this host that left no end record disappeared.
 
-    ``deaths`` maps pid to that wall-clock time (a rank restarted by the launcher is a new pid);
-    `deaths_by_rank` gives the ranks' that died silently, to put them in the order they died (the first
-    is the likely cause, the others were stopped after it).
+    ``deaths`` maps pid to that wall-clock time (a rank restarted by the launcher is a new pid) and
+    ``signals`` pid to the signal that killed it, when it was seen dead but not yet reaped;
+    `deaths_by_rank` and `signals_by_rank` give them by rank, to put the silent deaths in order (the first
+    is the likely cause, the others were stopped after it). The watch waits on each worker's pidfd, so it
+    wakes the moment a worker dies rather than at its next poll: a launcher that stops the other workers
+    right after the first death (DeepSpeed's does, and says no rank) cannot make two deaths look
+    simultaneous. Without pidfds it polls every ``interval`` seconds.
     """
 
     def __init__(self, path: Path | str, interval: float = WATCH_SECONDS) -> None:
         self.path = Path(path)
         self.interval = interval
         self.deaths: dict[int, float] = {}
+        self.signals: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="polytrain-death-watch", daemon=True)
         self._host = socket.gethostname()
+        self._poller = select.poll()
+        self._fds: dict[int, int] = {}  # pid -> its pidfd, while it lives
+        self._wake = os.pipe()  # written on exit: the watch stops waiting at once
+        self._poller.register(self._wake[0], select.POLLIN)
 
     def __enter__(self) -> DeathWatch:
         self._thread.start()
@@ -215,19 +239,43 @@ class DeathWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        os.write(self._wake[1], b"x")
         self._thread.join()
         self.look()
+        for pid in list(self._fds):
+            self._forget(pid)
+        for fd in self._wake:
+            os.close(fd)
 
     def look(self) -> None:
         now = time.time()
         for record in read_board(self.path).values():
-            if record.pid not in self.deaths and not record.ended and record.host == self._host \
-                    and not _alive(record.pid):
-                self.deaths[record.pid] = now
+            pid = record.pid
+            if pid in self.deaths or record.ended or record.host != self._host:
+                continue
+            if pid not in self._fds and (fd := _pidfd(pid)) is not None:
+                self._fds[pid] = fd
+                self._poller.register(fd, select.POLLIN)
+            dead, sig = _ended(pid)
+            if dead:
+                self.deaths[pid] = now
+                if sig is not None:
+                    self.signals[pid] = sig
+                self._forget(pid)
 
     def deaths_by_rank(self, records: Mapping[int, RankRecord]) -> dict[int, float]:
         return {rank: self.deaths[record.pid] for rank, record in records.items() if record.pid in self.deaths}
 
+    def signals_by_rank(self, records: Mapping[int, RankRecord]) -> dict[int, int]:
+        return {rank: self.signals[record.pid] for rank, record in records.items() if record.pid in self.signals}
+
+    def _forget(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            self._poller.unregister(fd)
+            os.close(fd)
+
     def _watch(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
             self.look()
+            self._poller.poll(self.interval * 1000)  # returns at once when a watched worker dies

@@ -161,9 +161,11 @@ def parse_launcher_output(text: str) -> list[RankFailure]:
 
 
 def choose(records: Mapping[int, RankRecord], seen: Sequence[RankFailure],
-           deaths: Mapping[int, float] | None = None) -> RankFailure | None:
-    """The rank to name (see the module doc), with all that is known of its end; None when nothing is."""
+           deaths: Mapping[int, float] | None = None, signals: Mapping[int, int] | None = None) -> RankFailure | None:
+    """The rank to name (see the module doc), with all that is known of its end; None when nothing is.
+    ``deaths``/``signals``: when each silent rank of this host died, and of which signal where seen."""
     deaths = deaths or {}
+    signals = signals or {}
     first_seen = {}
     for index, failure in enumerate(seen):
         if failure.rank is not None:
@@ -178,7 +180,7 @@ def choose(records: Mapping[int, RankRecord], seen: Sequence[RankFailure],
             tier = 2
         elif record is not None and record.ended and record.code:
             tier = 0
-        elif fact is not None and fact.signal in STOP_SIGNALS:
+        elif (fact.signal if fact is not None else signals.get(rank)) in STOP_SIGNALS:
             tier = 1
         else:
             tier = 0
@@ -193,6 +195,8 @@ def choose(records: Mapping[int, RankRecord], seen: Sequence[RankFailure],
         failure = replace(failure, host=record.host, peer_lost=record.peer_lost)
         if record.ended and record.code:
             failure = replace(failure, code=None if failure.signal else record.code, reason=record.reason)
+        elif fact is None and rank in signals:
+            failure = replace(failure, signal=signals[rank])
         elif fact is None and anonymous is not None and anonymous.signal and anonymous.signal not in STOP_SIGNALS:
             # the launcher saw a worker die this way without saying which; this one died first
             failure = replace(failure, code=anonymous.code, signal=anonymous.signal)
@@ -226,8 +230,9 @@ def launcher_failure_line(launcher: str, code: int, failure: RankFailure | None)
 
 
 def report_launcher_failure(launcher: str, code: int, records: Mapping[int, RankRecord], output: str,
-                            deaths: Mapping[int, float] | None = None) -> None:
-    failure = choose(records, parse_launcher_output(output), deaths)
+                            deaths: Mapping[int, float] | None = None,
+                            signals: Mapping[int, int] | None = None) -> None:
+    failure = choose(records, parse_launcher_output(output), deaths, signals)
     print(launcher_failure_line(launcher, code, failure), file=sys.stderr, flush=True)
 
 

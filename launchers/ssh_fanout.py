@@ -162,4 +162,5 @@ def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | 
         print(f"polytrain launch: host {items[first].host} (node {first} of {len(items)}): {how}; "
               f"stopped the other hosts", file=sys.stderr, flush=True)
     if not ssh_only:
-        report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records))
+        report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records),
+                                watch.signals_by_rank(records))

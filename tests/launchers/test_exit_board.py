@@ -4,9 +4,11 @@ the death watch; and `--debug` reaching the launch request."""
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,6 +78,56 @@ def test_the_death_watch_notes_a_silent_worker_that_is_gone(tmp_path):
     watch.look()
     assert list(watch.deaths) == [int(gone.stdout)]
     assert list(watch.deaths_by_rank(read_board(tmp_path))) == [1]
+
+
+def _board_entry(board, rank, pid):
+    (board / f"rank-{rank}.json").write_text(json.dumps(
+        {"rank": rank, "host": socket.gethostname(), "pid": pid, "start": 1.0}))
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+
+
+@pytest.mark.timeout(60)
+def test_the_death_watch_reads_the_signal_of_an_unreaped_worker(tmp_path):
+    child = _sleeper()
+    try:
+        _board_entry(tmp_path, 3, child.pid)
+        watch = DeathWatch(tmp_path)
+        watch.look()
+        assert watch.deaths == {}
+        child.send_signal(signal.SIGTERM)
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has died; we leave it unreaped
+        watch.look()
+        assert list(watch.deaths) == [child.pid]
+        assert watch.signals_by_rank(read_board(tmp_path)) == {3: signal.SIGTERM}
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_the_death_watch_wakes_when_a_worker_dies_not_at_its_next_poll(tmp_path):
+    """With a poll interval far longer than the test, only the pidfd wake-up can note the deaths, in order."""
+    first, second = _sleeper(), _sleeper()
+    try:
+        _board_entry(tmp_path, 0, first.pid)
+        _board_entry(tmp_path, 1, second.pid)
+        with DeathWatch(tmp_path, interval=3600) as watch:
+            while len(watch._fds) < 2:  # the watch has looked once and waits on both
+                time.sleep(0.01)
+            for child in (second, first):
+                child.kill()
+                child.wait(timeout=30)
+                while child.pid not in watch.deaths:
+                    time.sleep(0.01)
+        deaths = watch.deaths_by_rank(read_board(tmp_path))
+        assert deaths[1] < deaths[0]
+    finally:
+        for child in (first, second):
+            child.kill()
+            child.wait(timeout=30)
 
 
 @pytest.mark.timeout(120)

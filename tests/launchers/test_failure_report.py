@@ -181,6 +181,15 @@ def test_without_the_launchers_word_the_first_rank_to_die_silently_is_named():
     assert choose(records, parse_deepspeed(DEEPSPEED), deaths) == RankFailure(1, "h", signal=KILL)
 
 
+def test_a_silent_death_by_the_launchers_stop_signal_is_not_the_cause():
+    """Two silent deaths noted at the same moment: the one the watch saw die of SIGTERM was stopped."""
+    records = {0: record(0), 1: record(1)}
+    deaths = {0: 12.0, 1: 12.0}
+    assert choose(records, parse_deepspeed(DEEPSPEED), deaths, {0: TERM}) == RankFailure(1, "h", signal=KILL)
+    # its own signal, when the watch read it, rather than the launcher's anonymous one
+    assert choose(records, [], deaths, {0: TERM, 1: signal.SIGSEGV}) == RankFailure(1, "h", signal=signal.SIGSEGV)
+
+
 def test_own_errors_in_the_order_they_happened_and_nothing_to_say():
     records = {0: record(0, end=4.0, code=2, reason="b"), 1: record(1, end=3.0, code=1, reason="a")}
     assert choose(records, []).rank == 1
