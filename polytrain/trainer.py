@@ -264,17 +264,21 @@ class Trainer(TrainerCheckpoints):
     def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool,
                    decide: bool = True) -> bool:
         """Evaluate, log and tell the callbacks; returns whether early stopping ends training now."""
-        with self.timeline.span("evaluation", "evaluation", epoch=epoch):
-            val_loss, values = self._evaluate(data, epoch)
+        val_loss: float | None = None
+        values: dict[str, float] = {}
+        if len(data.val):  # with no validation data (data.val_fraction: 0) an epoch ends on its train loss
+            with self.timeline.span("evaluation", "evaluation", epoch=epoch):
+                val_loss, values = self._evaluate(data, epoch)
+            result.val_loss, result.val_metrics = val_loss, values
+            result.val_accuracy = values.get("accuracy")
         result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
-        result.val_loss, result.val_metrics = val_loss, values
-        result.val_accuracy = values.get("accuracy")
         record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
                   "val_accuracy": result.val_accuracy, **{f"val_{name}": value for name, value in values.items()}}
         result.history.append(record)
         self.log.write("epoch", **record)
         shown = "".join(f", val {name.replace('_', ' ')} {value:.4f}" for name, value in values.items())
-        self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}, val loss {val_loss:.4f}{shown}")
+        validated = f", val loss {val_loss:.4f}{shown}" if val_loss is not None else " (no validation data)"
+        self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}{validated}")
         self.callbacks.call("on_validation_end", epoch, record)
         if self.early_stopping is None or not decide:
             return False

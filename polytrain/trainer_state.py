@@ -21,7 +21,7 @@ from polytrain.callbacks import (
 )
 from polytrain.data import Data
 from polytrain.environments import restart_count
-from polytrain.errors import TrainingFailure
+from polytrain.errors import SpecError, TrainingFailure
 from polytrain.failures import library_versions, settled
 from polytrain.schedule import lr_at
 from polytrain.version import __version__
@@ -62,9 +62,15 @@ class TrainerCheckpoints:
             check_callback(obj, f"callbacks[{i}]")
         self.callbacks = CallbackList([*load_callbacks(spec.callbacks or ()), *self.extra_callbacks], run)
         metrics = objectives.metric_names(spec.metrics, data.info.task)
-        logged = {"train_loss", "val_loss", *(f"val_{objectives.metric_key(m)}" for m in metrics)}
+        validated = {"val_loss", *(f"val_{objectives.metric_key(m)}" for m in metrics)}
+        logged = {"train_loss", *(validated if len(data.val) else ())}
         stopping, ck = spec.loop.early_stopping, spec.checkpoint
         self.early_stopping, self.best, self.stopped_early = None, None, False
+        for field_name, monitor in (("loop.early_stopping.monitor", stopping.monitor), ("checkpoint.monitor", ck.monitor)):
+            if monitor in validated and not len(data.val):
+                raise SpecError(f"{field_name}: {monitor!r} needs validation data and this run has none "
+                                f"(data.val_fraction is 0 and no validation set was given); monitor train_loss, or "
+                                f"set data.val_fraction above 0")
         if stopping.monitor is not None:
             check_monitor("loop.early_stopping.monitor", stopping.monitor, logged)
             self.early_stopping = EarlyStopping(stopping.monitor, stopping.mode, stopping.patience, stopping.min_delta)
@@ -197,7 +203,8 @@ class TrainerCheckpoints:
 
     def _write_model(self, result: TrainResult, state: dict[str, Any], digests: list[str]) -> None:
         manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
-                    "val_accuracy": result.val_accuracy, "val_loss": result.val_loss, "rank_state_digests": digests}
+                    "val_accuracy": result.val_accuracy,
+                    "val_loss": None if math.isnan(result.val_loss) else result.val_loss, "rank_state_digests": digests}
         try:
             ckpt.write_model(Path(self.spec.output), state, manifest)
         except OSError as exc:
@@ -205,6 +212,6 @@ class TrainerCheckpoints:
                                   f"({exc.strerror or exc}); free space or choose another output directory") from exc
         if result.val_accuracy is not None:
             self.progress.line(f"validation accuracy: {result.val_accuracy:.4f}")
-        else:
+        elif not math.isnan(result.val_loss):
             self.progress.line(f"validation loss: {result.val_loss:.6f}")
         self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")

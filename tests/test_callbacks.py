@@ -158,3 +158,22 @@ def test_a_monitor_that_is_not_logged_is_one_line(tmp_path: Path, changes: dict[
     error, job = fit_fails(make_spec(tmp_path, **changes), SpecError)
     assert str(error) == message
     assert job.framework is None  # refused before anything was built
+
+
+def test_without_validation_data_epochs_end_on_the_train_loss(tmp_path: Path) -> None:
+    spec = make_spec(tmp_path, data={"val_fraction": 0.0}, loop={"epochs": 2})
+    result, job = fit(spec)
+    epochs = records(spec, "epoch")
+    assert [(r["val_loss"], r["val_accuracy"]) for r in epochs] == [(None, None)] * 2
+    assert all(r["train_loss"] > 0 for r in epochs) and result.epochs_done == 2
+    assert job.fw.calls.evaluated == []  # no evaluation pass over an empty set
+    manifest = json.loads((tmp_path / "model.json").read_text())
+    assert manifest["val_loss"] is None and manifest["val_accuracy"] is None  # not NaN (invalid JSON)
+
+
+@pytest.mark.parametrize("changes", [{"checkpoint": {"monitor": "val_loss"}},
+                                     {"loop": {"early_stopping": {"monitor": "val_accuracy"}}}])
+def test_a_validation_monitor_without_validation_data_is_one_line(tmp_path: Path, changes: dict[str, Any]) -> None:
+    error, job = fit_fails(make_spec(tmp_path, data={"val_fraction": 0.0}, **changes), SpecError)
+    assert "needs validation data and this run has none" in str(error) and "data.val_fraction" in str(error)
+    assert job.framework is None
