@@ -185,16 +185,15 @@ class TorchBackend:
         self._owns_group = True
 
     def ensure_process_group(self) -> None:
-        """A one-rank process group on loopback when `setup` started none (a single process), for
-        backends whose library needs one anyway (FSDP, DeepSpeed)."""
+        """A one-rank process group when `setup` started none (a single process), for backends whose library
+        needs one anyway (DDP, FSDP, DeepSpeed). Its store is in-process (no port): a ``tcp://`` init would,
+        under ``torchrun --nproc_per_node 1`` (TORCHELASTIC_USE_AGENT_STORE), wait as a client of a store
+        nobody serves."""
         if dist.is_initialized():
             return
-        from polytrain.net import free_port
-
         dist.init_process_group(
             backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
-            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-            timeout=datetime.timedelta(seconds=300))
+            store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
         self._owns_group = True
 
     @property

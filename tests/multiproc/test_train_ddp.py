@@ -43,6 +43,16 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
     assert epochs[-1]["val_accuracy"] == manifest["val_accuracy"]
 
 
+@pytest.mark.timeout(150)
+def test_torchrun_one_rank_with_ddp(tmp_path: Path) -> None:
+    """One worker under torchrun: its one-rank group must not wait on the agent's store (it did, 300 s)."""
+    out = tmp_path / "one"
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           "-m", "polytrain.cli", "train", str(SPEC), "--set", f"output={out}", "--set", "backend=ddp"]
+    check(run(cmd, timeout=120))
+    assert_trained(out, 1)
+
+
 def test_mpirun_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "mpirun"
     cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", *PY, "train", str(SPEC), "--set", f"output={out}"]
