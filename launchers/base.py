@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from polytrain.errors import LaunchError
-from polytrain.launchers import exit_board
+from polytrain.launchers import exit_board, shm_leftovers
 from polytrain.launchers.failure_report import report_launcher_failure
 from polytrain.launchers.launcher_output import LauncherOutput
 from polytrain.launchers.processes import supervise
@@ -262,11 +262,13 @@ class CommandLauncher:
     ``run`` gives the workers an exit board (`exit_board`), passes the launcher's
     stdout and stderr on through `launcher_output` (its own traceback held back),
     and when the launcher fails says in one line which rank failed, on which host,
-    and how (`failure_report`).
+    and how (`failure_report`). A launcher whose ranks may leave MPI shared-memory
+    files behind when killed (``leaves_shm``) has the orphans removed (`shm_leftovers`).
     """
 
     name = ""
     binary = ""
+    leaves_shm = False
 
     def build_command(self, req: LaunchRequest) -> list[str]:
         raise NotImplementedError
@@ -295,12 +297,15 @@ class CommandLauncher:
             req = dataclasses.replace(req, env={**req.env, exit_board.BOARD_VARIABLE: str(board)})
             command = self.resolved_command(req, required=True)
             outputs = [LauncherOutput(fd, debug=req.debug) for fd in (1, 2)]
+            shm_before = shm_leftovers.present() if self.leaves_shm else None
             try:
                 with exit_board.DeathWatch(board) as watch:
                     outcome = supervise([command], [{**os.environ, **self.launcher_env(req)}],
                                         stdout=outputs[0].open(), stderr=outputs[1].open())
             finally:
                 text = "\n".join(output.finish() for output in reversed(outputs))
+                if shm_before is not None:
+                    shm_leftovers.remove_orphans(shm_before)
             if outcome.code and outcome.signal is None:
                 records = exit_board.read_board(board)
                 report_launcher_failure(self.binary_name(req), outcome.code, records, text,

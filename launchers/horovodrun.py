@@ -141,6 +141,7 @@ def _uses_local_starter(req: LaunchRequest) -> bool:
 
 class HorovodrunLauncher(CommandLauncher):
     name = binary = "horovodrun"
+    leaves_shm = True  # horovodrun runs mpirun: Open MPI's sm_segment files of killed ranks
 
     def build_command(self, req: LaunchRequest) -> list[str]:
         refuse_restarts(req)

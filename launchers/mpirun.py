@@ -120,6 +120,7 @@ def hydra_command(req: LaunchRequest) -> list[str]:
 
 class MpirunLauncher(CommandLauncher):
     name = "mpirun"
+    leaves_shm = True  # Open MPI's sm_segment files of killed ranks
 
     def flavour(self, req: LaunchRequest) -> str:
         if req.mpi_flavour:

@@ -29,7 +29,10 @@ from typing import Any
 import numpy as np
 
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
+from polytrain.mpi_singleton import keep_singletons_off_shared_memory
 from polytrain.timeline import COLLECTIVES, NULL
+
+keep_singletons_off_shared_memory()  # before mpi4py starts MPI (see polytrain.mpi_singleton)
 
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 FUSION_ENV = "POLYTRAIN_MPI_FUSION_BYTES"

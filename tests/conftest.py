@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from procs import loopback_env
 
@@ -9,3 +11,13 @@ from procs import loopback_env
 @pytest.fixture
 def loopback() -> dict[str, str]:
     return loopback_env()
+
+
+@pytest.fixture(autouse=True)
+def _no_mpi_segments_left_behind() -> Iterator[None]:
+    """Open MPI leaves a killed rank's /dev/shm segment file (16 MiB) behind: remove what a test's jobs left."""
+    from polytrain.launchers import shm_leftovers
+
+    before = shm_leftovers.present()
+    yield
+    shm_leftovers.remove_orphans(before)

@@ -46,6 +46,9 @@ class HorovodBackend(GraphCollectiveBackend):
         if reason is not None:
             raise BackendUnavailableError(f"backend: 'horovod' cannot run here: {reason}")
         super().setup()
+        from polytrain.mpi_singleton import keep_singletons_off_shared_memory
+
+        keep_singletons_off_shared_memory()  # before Horovod starts MPI
         import horovod.tensorflow as hvd
 
         self.hvd = hvd

@@ -18,5 +18,8 @@ from polytrain.horovod.common import (
     Sum,
     use_real_horovod,
 )
+from polytrain.mpi_singleton import keep_singletons_off_shared_memory
+
+keep_singletons_off_shared_memory()  # before Horovod or mpi4py starts MPI (see polytrain.mpi_singleton)
 
 __all__ = ["Adasum", "Average", "HorovodSettings", "Max", "Min", "Product", "Sum", "use_real_horovod"]
