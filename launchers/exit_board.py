@@ -228,12 +228,14 @@ class DeathWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="polytrain-death-watch", daemon=True)
         self._host = socket.gethostname()
-        self._poller = select.poll()
+        self._poller: select.poll | None = None  # while the thread runs: pidfds and the wake pipe
         self._fds: dict[int, int] = {}  # pid -> its pidfd, while it lives
-        self._wake = os.pipe()  # written on exit: the watch stops waiting at once
-        self._poller.register(self._wake[0], select.POLLIN)
+        self._wake = (-1, -1)
 
     def __enter__(self) -> DeathWatch:
+        self._poller = select.poll()
+        self._wake = os.pipe()  # written on exit: the watch stops waiting at once
+        self._poller.register(self._wake[0], select.POLLIN)
         self._thread.start()
         return self
 
@@ -241,11 +243,12 @@ class DeathWatch:
         self._stop.set()
         os.write(self._wake[1], b"x")
         self._thread.join()
-        self.look()
         for pid in list(self._fds):
             self._forget(pid)
         for fd in self._wake:
             os.close(fd)
+        self._poller = None
+        self.look()
 
     def look(self) -> None:
         now = time.time()
@@ -253,7 +256,7 @@ class DeathWatch:
             pid = record.pid
             if pid in self.deaths or record.ended or record.host != self._host:
                 continue
-            if pid not in self._fds and (fd := _pidfd(pid)) is not None:
+            if self._poller is not None and pid not in self._fds and (fd := _pidfd(pid)) is not None:
                 self._fds[pid] = fd
                 self._poller.register(fd, select.POLLIN)
             dead, sig = _ended(pid)
@@ -271,11 +274,13 @@ class DeathWatch:
 
     def _forget(self, pid: int) -> None:
         fd = self._fds.pop(pid, None)
-        if fd is not None:
+        if fd is not None and self._poller is not None:
             self._poller.unregister(fd)
             os.close(fd)
 
     def _watch(self) -> None:
+        poller = self._poller
+        assert poller is not None
         while not self._stop.is_set():
             self.look()
-            self._poller.poll(self.interval * 1000)  # returns at once when a watched worker dies
+            poller.poll(self.interval * 1000)  # returns at once when a watched worker dies
