@@ -164,7 +164,7 @@ class TorchBackend:
             return
         from polytrain.environments import ensure_master
 
-        world = ensure_master(self.world)
+        world = self.world = ensure_master(self.world)  # exact node ranks under MPI (FSDP's hybrid check)
         self._store_endpoint = (str(world.master_addr), int(world.master_port))
         keep_gloo_on_loopback(world.master_addr)
         self.listen_address = listen_address(world)

@@ -14,15 +14,27 @@ from polytrain.world import World
 def ensure_master(world: World) -> World:
     """``world`` with master_addr and master_port known, agreed by all ranks when needed.
 
-    Unchanged for a single process or when both are known. Otherwise — e.g. a plain
+    Unchanged for a single process or when both are known (but see below). Otherwise — e.g. a plain
     ``mpirun`` without MASTER_ADDR/MASTER_PORT — rank 0 picks its address (127.0.0.1
     when every rank shares its host) and a free port, and broadcasts them over MPI
     (mpi4py, imported only here). The host names gathered on the way also give the
     exact node_rank and num_nodes. Every rank must call this together.
+
+    An MPI launcher names no node index: the environment guesses it assuming ranks fill
+    nodes in order, which Hydra's default round-robin ``-hosts h1,h2`` and Open MPI's
+    ``--map-by node`` break. So when such a job spans nodes, the host names are gathered
+    even with both variables known (best effort: without mpi4py the guess stands).
     """
-    if world.launcher == "single" or world.master_known:
+    if world.launcher == "single":
         return world
     environment = by_launcher(world.launcher)
+    if world.master_known:
+        if environment is not None and environment.speaks_mpi and world.local_size < world.size:
+            try:
+                return _agree_over_mpi(world, strict=False)
+            except BackendUnavailableError:  # no mpi4py: keep the in-order guess
+                return world
+        return world
     if environment is None or not environment.speaks_mpi:
         missing = " and ".join(name for name, value in (("MASTER_ADDR", world.master_addr),
                                                          ("MASTER_PORT", world.master_port)) if value is None)
@@ -32,7 +44,9 @@ def ensure_master(world: World) -> World:
     return _agree_over_mpi(world)
 
 
-def _agree_over_mpi(world: World) -> World:
+def _agree_over_mpi(world: World, strict: bool = True) -> World:
+    """``strict``: an mpi4py that sees another world than the launcher's (built for another MPI) is an
+    error; otherwise ``world`` is returned as it is."""
     try:
         from mpi4py import MPI
     except ImportError:
@@ -40,6 +54,8 @@ def _agree_over_mpi(world: World) -> World:
             "mpi4py is not installed; install it (pip install mpi4py) or export MASTER_ADDR and MASTER_PORT") from None
     comm = MPI.COMM_WORLD
     if (comm.Get_rank(), comm.Get_size()) != (world.rank, world.size):
+        if not strict:
+            return world
         raise EnvironmentDetectionError(
             f"MPI says rank {comm.Get_rank()} of {comm.Get_size()} but the {world.launcher} variables say rank "
             f"{world.rank} of {world.size}; launch with that launcher's own mpirun")

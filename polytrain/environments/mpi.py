@@ -1,10 +1,11 @@
 """Processes started by an MPI ``mpirun``/``mpiexec``: Open MPI, MPICH / Intel MPI, MVAPICH.
 
 MPI launchers tell rank, size and the processes on this node, but neither a node index
-nor a rendezvous address for non-MPI collectives. The node index is derived assuming
-ranks fill nodes in order (mpirun's default); MASTER_ADDR/MASTER_PORT are used when the
-user exported them, otherwise the port stays None and ``polytrain.environments.ensure_master``
-agrees on one over MPI.
+nor a rendezvous address for non-MPI collectives. The node index is guessed here assuming
+ranks fill nodes in order (Open MPI's default; not Hydra's round-robin ``-hosts``), and
+``polytrain.environments.ensure_master`` makes it exact from the ranks' host names when the
+job spans nodes. MASTER_ADDR/MASTER_PORT are used when the user exported them, otherwise
+the port stays None and ``ensure_master`` agrees on one over MPI.
 """
 
 from __future__ import annotations

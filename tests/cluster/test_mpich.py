@@ -2,6 +2,7 @@
 
 - ``mpiexec -n 4 -hosts h1,h2``: every rank is detected as MPICH from the real PMI_*/MPI_LOCAL* variables,
   and mpi4py (the venv's wheel on its MPICH ABI) joins the same 4-rank world.
+- With MASTER_ADDR/PORT exported, round-robin ranks still learn their real node (host names gathered).
 - The same plain mpiexec (no master named) trains ddp over gloo: the ranks agree on a master over MPI, the
   bridge address of h1, and end with identical replicas.
 - Under MPICH, an mpi4py on Open MPI is refused with one line per rank, not a hang.
@@ -53,6 +54,24 @@ def test_hydra_ranks_are_detected_as_mpich(cluster: Cluster, tmp_path: Path) -> 
         # after the agreement over MPI: the exact node of each rank, and h1's bridge address as master
         assert agreed["node_rank"] == ["h1", "h2"].index(p["host"]) and agreed["num_nodes"] == 2, p
         assert agreed["master_addr"] == cluster.host(hosts[0]).addr, agreed
+
+
+def test_round_robin_ranks_get_their_real_node_with_the_master_exported(cluster: Cluster, tmp_path: Path) -> None:
+    """Hydra places ``-hosts h1,h2`` round-robin; the environment's in-order guess of node_rank is wrong for
+    ranks 1 and 2, and with MASTER_ADDR/PORT exported there is no master to agree on — the host names are
+    gathered anyway, so every rank learns its real node."""
+    folder = tmp_path / "probe"
+    folder.mkdir()
+    env = mpich_env(cluster, tmp_path, MASTER_ADDR=cluster.hosts[0].addr, MASTER_PORT="29555")
+    done = cluster.hosts[0].run(mpiexec(cluster, 4, "h1,h2", [sys.executable, PROBE, "--mpi", str(folder)]),
+                                env=env, cwd=REPO, check=False, timeout=120)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    seen = sorted((json.loads(p.read_text()) for p in folder.glob("*.json")), key=lambda p: p["world"]["rank"])
+    assert [p["host"] for p in seen] == ["h1", "h2", "h1", "h2"]  # round-robin
+    assert [p["world"]["node_rank"] for p in seen] == [0, 0, 1, 1]  # the guess: ranks fill nodes in order
+    assert [p["agreed"]["node_rank"] for p in seen] == [0, 1, 0, 1]
+    assert {(p["agreed"]["master_addr"], p["agreed"]["master_port"], p["agreed"]["num_nodes"]) for p in seen} == \
+        {(cluster.hosts[0].addr, 29555, 2)}  # the exported master is kept
 
 
 def test_hydra_trains_ddp_across_hosts(cluster: Cluster, tmp_path: Path) -> None:

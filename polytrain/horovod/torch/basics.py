@@ -85,11 +85,11 @@ def agree_master(world: World, env: dict[str, str]) -> World:
     horovodrun's gloo mode names only its own HTTP server: rank 0 publishes a master
     there. MPI launchers agree over MPI (``polytrain.environments.ensure_master``).
     """
-    if world.size == 1 or world.master_known:
+    if world.size == 1:
         return world
-    if "HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
+    if not world.master_known and "HOROVOD_GLOO_RENDEZVOUS_PORT" in env and "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env:
         return _horovodrun_master(world, env)
-    return ensure_master(world)
+    return ensure_master(world)  # known master: unchanged, or exact node ranks under an MPI launcher
 
 
 # ----------------------------------------------------------------------------- init / shutdown
