@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import socket
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
@@ -22,6 +23,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind(sockaddr)
         return int(sock.getsockname()[1])
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (Linux's default 32768-60999 where unreadable)."""
+    try:
+        with open(path) as f:
+            low, high = (int(v) for v in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_to_hold(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset()) -> int:
+    """A free port for a listener that starts later: below the kernel's ephemeral range, so the local end
+    of an outgoing connection (gloo opens many) cannot take it meanwhile, as it can a `free_port`. Falls
+    back to `free_port` when no such port is free."""
+    low, _ = ephemeral_range()
+    first = max(1024, low - 12000)
+    candidates = [port for port in random.sample(range(first, low), min(200, max(0, low - first)))
+                  if port not in taken]
+    for port in candidates:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, port))
+            return port
+        except OSError:
+            continue
+    return free_port(host)
 
 
 def is_loopback(host: str) -> bool:

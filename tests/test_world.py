@@ -10,7 +10,7 @@ import pytest
 
 from polytrain.environments import detect_world, ensure_master
 from polytrain.errors import EnvironmentDetectionError
-from polytrain.net import free_port, route_address
+from polytrain.net import ephemeral_range, free_port, port_to_hold, route_address
 from polytrain.world import World
 
 
@@ -28,6 +28,20 @@ def test_free_port_is_bindable_and_in_range() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # nothing holds it
     assert 1024 <= free_port("0.0.0.0") <= 65535
+
+
+def test_a_port_to_hold_is_below_the_ephemeral_range_free_and_not_taken(tmp_path) -> None:
+    low, high = ephemeral_range()
+    assert 1024 < low < high
+    ports = []
+    for _ in range(20):
+        ports.append(port_to_hold(taken=set(ports)))
+    assert len(set(ports)) == 20 and all(max(1024, low - 12000) <= port < low for port in ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports[-1]))  # nothing holds it
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert ephemeral_range(str(tmp_path / "range")) == (40000, 50000)
+    assert ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
 
 
 def test_free_port_skips_a_taken_port() -> None:

@@ -66,9 +66,14 @@ def worker_env(device: str, extra: dict[str, str] | None = None) -> dict[str, st
 
 
 def _free_ports(count: int) -> list[int]:
-    from polytrain.net import free_port
+    """Ports for runs that start one after another, minutes apart: held below the ephemeral range (an
+    OS-picked free port was taken by a gloo connection of an earlier run, in CI)."""
+    from polytrain.net import port_to_hold
 
-    return [free_port() for _ in range(count)]
+    ports: list[int] = []
+    for _ in range(count):
+        ports.append(port_to_hold(taken=set(ports)))
+    return ports
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
