@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from polytrain.errors import LaunchError
+from polytrain.launchers import registry
 from polytrain.launchers.base import (
-    LAUNCHER_NAMES,
     SPEC_SUFFIXES,
     HorovodOptions,
     LaunchRequest,
@@ -27,7 +27,8 @@ from polytrain.launchers.hostfile import parse_hosts_string, read_hostfile
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--launcher", default="local", help=f"one of {', '.join(LAUNCHER_NAMES)} (default: local)")
+    names = registry.launcher_names()
+    parser.add_argument("--launcher", default="local", help=f"one of {', '.join(names)} (default: local)")
     parser.add_argument("-np", "--num-proc", dest="nproc", metavar="N", help="total number of processes")
     parser.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and slots, e.g. h1:2,h2:2")
     parser.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile (host slots=N per line)")
@@ -40,12 +41,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug", action="store_true", default=argparse.SUPPRESS,
         help="when a rank fails, show the launcher's own traceback in full (and tracebacks for bad input)",
     )
-    parser.add_argument("--emit-sbatch", metavar="FILE", help="write a Slurm batch script instead of running")
-    parser.add_argument("--emit-bsub", metavar="FILE",
-                        help="write an LSF batch script (jsrun) instead of running; Slurm options map onto LSF's")
+    for launcher in registry.batch_script_launchers():
+        script = launcher.batch_script
+        parser.add_argument(script.flag, metavar="FILE", help=script.help)
     parser.add_argument(
         "-x", "--env", action="append", default=[], metavar="VAR[=VALUE]",
-        help="export VAR to every worker (without =VALUE: its current value); repeatable",
+        help="export VAR to every worker (without =VALUE: its current value, which then stays off every command "
+             "line; a token belongs there); repeatable",
     )
     parser.add_argument("--mpi-flavour", metavar="openmpi|hydra", help="mpirun flavour (default: ask mpirun)")
 
@@ -113,8 +115,7 @@ def _split_command(command: list[str]) -> tuple[str, list[str], list[str]]:
 def request_from_args(args: argparse.Namespace) -> LaunchRequest:
     """The request ``polytrain launch`` flags describe (nothing is started or looked up)."""
     target, program_args, extra_args = _split_command(list(args.launch_command))
-    if args.launcher not in LAUNCHER_NAMES:
-        raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHER_NAMES)}; got {args.launcher!r}")
+    registry.launcher_class(args.launcher)  # a known name, or the one-line error naming the choices
     if args.hosts is not None and args.hostfile is not None:
         raise LaunchError("give either -H/--hosts or --hostfile, not both")
     # `is not None`: an empty -H "" is a mistake to report, not a flag to ignore
@@ -161,24 +162,30 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
     )
 
 
+def write_private(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600, also when the file was there before): a
+    batch script holds the values of the -x variables, which may be tokens."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(fd, 0o600)
+        out.write(text)
+
+
 def launch_from_args(args: argparse.Namespace) -> int:
     """``polytrain launch``: write the batch script, print the dry run, or run; returns the exit code."""
     from polytrain.launchers.dispatch import run
-    from polytrain.launchers.srun import emit_sbatch
 
     req = request_from_args(args)
-    from polytrain.launchers.lsf import emit_bsub
-
-    for flag, target, emit, submit in (("--emit-sbatch", args.emit_sbatch, emit_sbatch, "sbatch {}"),
-                                       ("--emit-bsub", getattr(args, "emit_bsub", None), emit_bsub, "bsub < {}")):
+    for launcher in registry.batch_script_launchers():
+        flag, target = launcher.batch_script.flag, getattr(args, launcher.batch_script.dest, None)
         if not target:
             continue
-        script = emit(req)
+        script = launcher().emit_script(req)
         try:
-            Path(target).write_text(script)
+            write_private(target, script)
         except OSError as exc:
             raise LaunchError(f"{flag} {target}: cannot write it ({exc.strerror or exc})") from exc
-        print(f"wrote {target}; submit it with: {submit.format(target)}", file=sys.stderr)
+        print(f"wrote {target}; submit it with: {launcher.batch_script.submit.format(target)}", file=sys.stderr)
         return 0
     if not args.dry_run:
         check_spec(args.launch_command, local=not req.hosts, world_size=req.nproc)
@@ -200,19 +207,20 @@ def check_spec(command: Sequence[str], *, local: bool = True, world_size: int | 
     """Reject a bad spec here, once, rather than in every worker (N copies of the same error, then the
     launcher's own report). Only for specs (not scripts); with remote hosts only when the file is here.
 
-    A model given as an import path (``package.module:factory``) is not imported here: the workers may
-    have a PYTHONPATH (``-x PYTHONPATH=...``) this process has not.
+    Nothing the spec names by import path (``package.module:function``: model, loss, metrics, callbacks, data
+    factory and transform, a tensor plan) is imported here, only checked for its form: the workers may have a
+    PYTHONPATH (``-x PYTHONPATH=...``) this process has not, and a module may do work when imported.
     """
     target, program_args, _ = _split_command(list(command))
     if not target.endswith(SPEC_SUFFIXES) or not (local or Path(target).is_file()):
         return
-    from polytrain import registry, zoo
-    from polytrain import spec as spec_mod
+    from polytrain import validation
+    from polytrain.spec_files import apply_overrides, load_raw
+    from polytrain.user_code import imports_skipped
 
-    raw = spec_mod.apply_overrides(spec_mod.load_raw(target), _set_values(program_args))
-    spec = spec_mod.from_dict(raw, validate_components=False)
-    if not zoo.is_import_path(spec.model.name):
-        registry.validate(spec)
+    raw = apply_overrides(load_raw(target), _set_values(program_args))
+    with imports_skipped():
+        spec = validation.from_dict(raw)
     if world_size is not None and spec.parallel.model_parallel:  # the layout must divide the processes started
         from polytrain.layout import grid_for
 

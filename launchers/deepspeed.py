@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 
 from polytrain.launchers import ssh_fanout
@@ -33,10 +34,20 @@ from polytrain.launchers.base import (
     python_entry,
     refuse_restarts,
 )
+from polytrain.launchers.failure_report import RankFailure, from_status
 from polytrain.launchers.hostfile import to_deepspeed_hostfile
 
 DEFAULT_MASTER_PORT = 29500
 HOSTFILE_PLACEHOLDER = "<temporary hostfile>"
+
+
+_DEEPSPEED = re.compile(r"^(?:([\w.\-]+): )?.*exits with return code = (-?\d+)\s*$", re.MULTILINE)
+
+
+def parse_deepspeed(text: str) -> list[RankFailure]:
+    """DeepSpeed's launcher logs the return code of the first worker it saw fail, not its rank
+    (with pdsh, the line starts with the host's name)."""
+    return [RankFailure(None, host or None, **from_status(int(status))) for host, status in _DEEPSPEED.findall(text)]
 
 
 def _program_args(program: tuple[str, ...]) -> list[str]:
@@ -56,6 +67,11 @@ def _fans_out(req: LaunchRequest) -> bool:
 
 class DeepspeedLauncher(CommandLauncher):
     name = binary = "deepspeed"
+    install_hints = {"deepspeed": "install DeepSpeed (pip install deepspeed==0.19.8)"}
+    picks_local_port = True
+    failure_parsers = (parse_deepspeed,)
+    traceback_frames = ("/bin/deepspeed", "/deepspeed/launcher/")
+    info_binaries = ("deepspeed",)
 
     def build_command(self, req: LaunchRequest) -> list[str]:
         refuse_restarts(req)
@@ -84,7 +100,7 @@ class DeepspeedLauncher(CommandLauncher):
         if _fans_out(req):
             refuse_restarts(req)
             check_slots(req)
-            return ssh_fanout.run("deepspeed", req, ssh_fanout.deepspeed_commands)
+            return ssh_fanout.run("deepspeed", req, ssh_fanout.deepspeed_commands, self.reading)
         if not _needs_hostfile(req) or req.hostfile:
             return super().run(req)
         with tempfile.TemporaryDirectory(prefix="polytrain-deepspeed-") as tmp:

@@ -1,26 +1,20 @@
-"""From a launcher's name to its builder, and the three things done with a request: build, describe, run."""
+"""The three things done with a request, for the launcher its name chooses in the registry: build, describe,
+run."""
 
 from __future__ import annotations
 
-from polytrain.errors import LaunchError
-from polytrain.launchers import deepspeed, horovodrun, local, mpirun, srun, torchrun
-from polytrain.launchers.base import LAUNCHER_NAMES, LaunchRequest, with_master_port
-
-LAUNCHERS = {
-    "torchrun": torchrun.LAUNCHER,
-    "mpirun": mpirun.LAUNCHER,
-    "horovodrun": horovodrun.LAUNCHER,
-    "srun": srun.LAUNCHER,
-    "deepspeed": deepspeed.LAUNCHER,
-    "local": local.LAUNCHER,
-}
+from polytrain.launchers import registry
+from polytrain.launchers.base import Launcher, LaunchRequest
 
 
-def get_launcher(name: str):
-    try:
-        return LAUNCHERS[name]
-    except KeyError:
-        raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHER_NAMES)}; got {name!r}") from None
+def get_launcher(name: str) -> Launcher:
+    """The launcher ``--launcher name`` chooses; a one-line LaunchError naming the choices for any other."""
+    return registry.launcher(name)
+
+
+def with_master_port(req: LaunchRequest) -> LaunchRequest:
+    """``req`` with the port its launcher picks for a single-host job that names none (`Launcher.with_master_port`)."""
+    return get_launcher(req.launcher).with_master_port(req)
 
 
 def build_command(req: LaunchRequest) -> list[str]:
@@ -36,7 +30,7 @@ def describe(req: LaunchRequest) -> str:
 def run(req: LaunchRequest, dry_run: bool = False) -> int:
     """Start ``req`` and wait for it; returns the exit code. ``dry_run`` prints instead and returns 0."""
     launcher = get_launcher(req.launcher)
-    req = with_master_port(req)
+    req = launcher.with_master_port(req)
     if dry_run:
         print(launcher.describe(req), flush=True)
         return 0

@@ -22,15 +22,25 @@ plus the ``HOROVOD_*`` tunables of ``config_parser.set_env_from_args``) and
 no Horovod HTTP rendezvous server, and an environment detector reading either
 variable finds the same torch.distributed store. ``--start-timeout`` only
 concerns horovodrun's own start-up and has no fallback equivalent.
+
+The real horovodrun in gloo mode (``--gloo``, or no controller named) writes its whole
+environment into each rank's command line (``sh -c``, and ``ssh`` for other hosts), so
+``-x`` variables are kept out of its environment (also when their value came from this
+process's own): they reach the ranks through a 0600 file read by `env_relay` in front of
+the program (in the working directory when ranks run on other hosts, which must then
+share it). Any other variable of the launching environment is Horovod's to write there.
+In MPI mode horovodrun passes ``-x NAME`` to mpirun by name, as polytrain's own mpirun
+command does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
-from polytrain.launchers import local, mpirun
+from polytrain.launchers import env_relay, local, mpirun
 from polytrain.launchers.base import (
     CommandLauncher,
     LaunchRequest,
@@ -135,12 +145,28 @@ def mpirun_fallback_request(req: LaunchRequest) -> LaunchRequest:
     )
 
 
+RELAY_PLACEHOLDER = "<temporary file>"
+
+
+def _relays(req: LaunchRequest) -> bool:
+    """Whether -x variables must bypass the real horovodrun's environment (see the module doc)."""
+    return bool(req.env) and req.horovod.controller != "mpi"
+
+
+def _relayed(req: LaunchRequest, path: str) -> LaunchRequest:
+    return dataclasses.replace(req, env={}, program=env_relay.relayed(path, req.program))
+
+
 def _uses_local_starter(req: LaunchRequest) -> bool:
     return req.horovod.controller != "mpi" and is_single_local_host(req)
 
 
 class HorovodrunLauncher(CommandLauncher):
     name = binary = "horovodrun"
+    install_hints = {"horovodrun": "install Horovod (pip install horovod==0.28.1)"}
+    picks_local_port = True
+    failure_parsers = mpirun.MpirunLauncher.failure_parsers  # in MPI mode it is an mpirun
+    info_binaries = ("horovodrun",)
     leaves_shm = True  # horovodrun runs mpirun: Open MPI's sm_segment files of killed ranks
 
     def build_command(self, req: LaunchRequest) -> list[str]:
@@ -175,24 +201,34 @@ class HorovodrunLauncher(CommandLauncher):
 
     def describe(self, req: LaunchRequest) -> str:
         if find_binary(self.binary) is not None:
-            return super().describe(req)
+            if not _relays(req):
+                return super().describe(req)
+            comment = f"# {RELAY_PLACEHOLDER} (mode 0600) holds the -x variables {', '.join(req.env)}\n"
+            return comment + super().describe(_relayed(req, RELAY_PLACEHOLDER))
         refuse_restarts(req)
         check_slots(req)
         title = "horovodrun not found: polytrain starts the workers as horovodrun --gloo would"
         if _uses_local_starter(req):
             return local.describe_group(req, fallback_environments, title)
-        return f"# {title}, through mpirun\n" + mpirun.LAUNCHER.describe(mpirun_fallback_request(req))
+        return f"# {title}, through mpirun\n" + self._mpirun().describe(mpirun_fallback_request(req))
 
     def run(self, req: LaunchRequest) -> int:
         if find_binary(self.binary) is not None:
-            return super().run(req)
+            if not _relays(req):
+                return super().run(req)
+            with env_relay.env_file(req.env, None if is_single_local_host(req) else os.getcwd()) as path:
+                return super().run(_relayed(req, str(path)), hidden=req.env)
         if req.horovod.verbose:
             print(self.describe(req), file=sys.stderr, flush=True)
         refuse_restarts(req)
         check_slots(req)
         if _uses_local_starter(req):
             return local.run_group(req, fallback_environments)
-        return mpirun.LAUNCHER.run(mpirun_fallback_request(req))
+        return self._mpirun().run(mpirun_fallback_request(req))
+
+    def _mpirun(self) -> mpirun.MpirunLauncher:
+        """The mpirun that stands in for a missing horovodrun, reading the output as this launcher does."""
+        return mpirun.MpirunLauncher(self.reading)
 
 
 LAUNCHER = HorovodrunLauncher()

@@ -9,8 +9,9 @@ workers still see a terminal (progress bars, colours); elsewhere a pipe. The las
 to stderr).
 
 One thing is held back unless ``debug`` (``polytrain launch --debug``): the launcher's own traceback. A
-traceback whose first frame (after runpy's) is the launcher's code — the ``torchrun`` script,
-``torch/distributed/`` or ``deepspeed/launcher/`` — is swallowed; its exception line is passed on, unless
+traceback whose first frame (after runpy's) is a launcher's code — a path matching one of ``frames``, the
+``traceback_frames`` of the launchers in the registry (the ``torchrun`` script, ``torch/distributed/``,
+``deepspeed/launcher/``, ...) — is swallowed; its exception line is passed on, unless
 it is torchrun's ``ChildFailedError``, whose framed block of failures is swallowed too: those facts are
 what `polytrain launch` then says in one line. A worker's traceback starts in the worker's own code and
 is passed on whole; a traceback header that nothing follows within ``hold_seconds`` is passed on too.
@@ -26,17 +27,23 @@ import select
 import termios
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 TRACEBACK = "Traceback (most recent call last):"
 _RUNPY_FRAME = re.compile(r'^\s*File "(<frozen runpy>|[^"]*/runpy\.py)"')
-_LAUNCHER_FRAME = re.compile(r'^\s*File "[^"]*(/bin/torchrun|/bin/deepspeed|/torch/distributed/|/deepspeed/launcher/)')
 HOLD_SECONDS = 1.0
 DRAIN_SECONDS = 2.0
 KEEP_LINES = 2000
 BLOCK_LINES = 500
 
 PASS, HOLD, FRAMES, BLOCK = "pass", "hold", "frames", "block"
+
+
+def frame_pattern(frames: Sequence[str]) -> re.Pattern[str] | None:
+    """A traceback line naming a file whose path matches one of ``frames`` (None: no frames)."""
+    if not frames:
+        return None
+    return re.compile(r'^\s*File "[^"]*(' + "|".join(frames) + ")")
 
 
 def writer(fd: int) -> Callable[[bytes], None]:
@@ -73,16 +80,19 @@ def open_channel(like_fd: int) -> tuple[int, int]:
 
 
 class LauncherOutput:
-    """One stream of the launcher (``target_fd``: 1 or 2); see the module doc.
+    """One stream of the launcher (``target_fd``: 1 or 2); see the module doc. ``frames``: regexes of paths in
+    launchers' own code (`base.OutputReading.frames`).
 
     ``open()`` makes the channel, starts reading it and returns the end to give the launcher;
     ``finish()`` once the launcher has exited. ``feed``/``tick``/``close`` are the filter alone.
     """
 
-    def __init__(self, target_fd: int = 2, *, debug: bool = False, write: Callable[[bytes], None] | None = None,
-                 hold_seconds: float = HOLD_SECONDS, keep: int = KEEP_LINES) -> None:
+    def __init__(self, target_fd: int = 2, *, debug: bool = False, frames: Sequence[str] = (),
+                 write: Callable[[bytes], None] | None = None, hold_seconds: float = HOLD_SECONDS,
+                 keep: int = KEEP_LINES) -> None:
         self.target_fd = target_fd
         self.debug = debug
+        self._launcher_frame = frame_pattern(frames)
         self.write = write or writer(target_fd)
         self.hold_seconds = hold_seconds
         self.lines: collections.deque[str] = collections.deque(maxlen=keep)
@@ -219,7 +229,7 @@ class LauncherOutput:
                 self.write(line)
         elif self.state == HOLD:
             self._held.append(line)
-            if _LAUNCHER_FRAME.match(text):
+            if self._launcher_frame is not None and self._launcher_frame.match(text):
                 self._held, self.state, self._waiting_since = [], FRAMES, None
             elif not (_RUNPY_FRAME.match(text) or (text[:1].isspace() and not text.lstrip().startswith("File "))):
                 self._release()  # not runpy's frames (or their source lines): the worker's own traceback

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 from polytrain.errors import LaunchError
 from polytrain.launchers import exit_board
-from polytrain.launchers.base import LaunchRequest, format_command, is_single_local_host
+from polytrain.launchers.base import Launcher, LaunchRequest, format_command, is_single_local_host
 from polytrain.launchers.failure_report import report_worker_failure
 from polytrain.launchers.processes import GRACE_SECONDS, supervise
 from polytrain.net import free_port
@@ -94,7 +94,9 @@ def describe_group(req: LaunchRequest, env_factory: EnvFactory, title: str) -> s
     return "\n".join(lines)
 
 
-class LocalLauncher:
+class LocalLauncher(Launcher):
+    """No launcher binary: the workers' failures are its own to report (`report_worker_failure`)."""
+
     name = "local"
 
     def build_command(self, req: LaunchRequest) -> list[str]:

@@ -14,7 +14,14 @@ import re
 import shlex
 
 from polytrain.errors import LaunchError
-from polytrain.launchers.base import LaunchRequest, check_slots, procs_per_node, refuse_restarts
+from polytrain.launchers.base import (
+    BatchScript,
+    Launcher,
+    LaunchRequest,
+    check_slots,
+    procs_per_node,
+    refuse_restarts,
+)
 
 
 def lsf_walltime(text: str) -> str:
@@ -77,3 +84,20 @@ def emit_bsub(req: LaunchRequest) -> str:
         shlex.join(jsrun_command(req)),
     ]
     return "\n".join(lines) + "\n"
+
+
+class LsfLauncher(Launcher):
+    """Not a ``--launcher`` choice: jsrun runs only inside an LSF job, so polytrain writes the job's script."""
+
+    name = "lsf"
+    starts_jobs = False
+    info_binaries = ("jsrun",)
+    batch_script = BatchScript("--emit-bsub",
+                               "write an LSF batch script (jsrun) instead of running; Slurm options map onto LSF's",
+                               "bsub < {}")
+
+    def build_command(self, req: LaunchRequest) -> list[str]:
+        return jsrun_command(req)
+
+    def emit_script(self, req: LaunchRequest) -> str:
+        return emit_bsub(req)

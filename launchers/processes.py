@@ -13,7 +13,8 @@ the group reaches the worker and anything it started. The rules:
 
 What is said about a failure is the caller's: ``on_failure`` gets every process's
 return code (Popen's: -N for signal N, None while running) once one has failed.
-``stdin``/``stdout``/``stderr`` (file descriptors) replace the ones the processes inherit.
+``stdin``/``stdout``/``stderr`` (file descriptors) replace the ones the processes inherit; ``stdin`` may also
+be one descriptor per command.
 """
 
 from __future__ import annotations
@@ -114,21 +115,24 @@ def supervise(
     on_failure: Callable[[Sequence[int | None]], None] | None = None,
     stdout: int | None = None,
     stderr: int | None = None,
-    stdin: int | None = None,
+    stdin: int | Sequence[int] | None = None,
 ) -> Outcome:
     """Run ``commands[i]`` with environment ``envs[i]`` concurrently; see the module doc."""
     if len(commands) != len(envs):
         raise ValueError("supervise needs one environment per command")
+    stdins = list(stdin) if isinstance(stdin, Sequence) else [stdin] * len(commands)
+    if len(stdins) != len(commands):
+        raise ValueError("supervise needs one stdin per command")
     procs: list[subprocess.Popen] = []
     received: list[int] = []
     with _forwarding(procs, received):
         try:
-            for command, env in zip(commands, envs):
+            for command, env, command_stdin in zip(commands, envs, stdins):
                 if received:
                     break
                 try:
                     procs.append(subprocess.Popen(list(command), env=dict(env), start_new_session=True,
-                                                  stdin=stdin, stdout=stdout, stderr=stderr))
+                                                  stdin=command_stdin, stdout=stdout, stderr=stderr))
                 except OSError as exc:
                     raise LaunchError(f"cannot start {command[0]!r}: {exc.strerror or exc}") from exc
             code, signalled_at = 0, None

@@ -10,24 +10,56 @@ to the job's first node and ``MASTER_PORT`` from the job id unless given.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 from polytrain.errors import LaunchError
 from polytrain.launchers.base import (
+    BatchScript,
     CommandLauncher,
     LaunchRequest,
     check_slots,
     procs_per_node,
     refuse_restarts,
 )
+from polytrain.launchers.failure_report import RankFailure, signal_named
 from polytrain.launchers.hostfile import to_slurm_nodelist
 
 FIRST_NODE = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
 PORT_FROM_JOB_ID = "$((10000 + SLURM_JOB_ID % 20000))"
 
 
+_SRUN = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+?)\s*$", re.MULTILINE)
+_SRUN_EXIT = re.compile(r"Exited with exit code (\d+)")
+
+
+def _task_ids(text: str) -> list[int]:
+    ids: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if first.isdigit():
+            ids += range(int(first), int(last) + 1) if last.isdigit() else [int(first)]
+    return ids
+
+
+def parse_srun(text: str) -> list[RankFailure]:
+    """srun's "srun: error: node1: task 1: Killed" and "...: tasks 0-1: Exited with exit code 2" lines."""
+    failures = []
+    for host, tasks, status in _SRUN.findall(text):
+        exited = _SRUN_EXIT.search(status)
+        how = {"code": int(exited[1])} if exited else {"signal": signal_named(status)}
+        failures += [RankFailure(task, host, **how) for task in _task_ids(tasks)]
+    return failures
+
+
 class SrunLauncher(CommandLauncher):
     name = binary = "srun"
+    install_hints = {
+        "srun": "run inside a Slurm allocation on a machine with Slurm, or write a batch script with --emit-sbatch FILE",
+    }
+    failure_parsers = (parse_srun,)
+    info_binaries = ("srun",)
+    batch_script = BatchScript("--emit-sbatch", "write a Slurm batch script instead of running", "sbatch {}")
 
     def build_command(self, req: LaunchRequest) -> list[str]:
         refuse_restarts(req)
@@ -49,6 +81,9 @@ class SrunLauncher(CommandLauncher):
             env["MASTER_PORT"] = str(req.master_port)
         return {**env, **req.env}
 
+    def emit_script(self, req: LaunchRequest) -> str:
+        return emit_sbatch(req)
+
 
 def _directive(name: str, value: object) -> str:
     text = str(value)
@@ -63,7 +98,7 @@ def emit_sbatch(req: LaunchRequest) -> str:
     Whatever ``req.launcher`` says, the script starts the tasks with srun itself.
     """
     req = dataclasses.replace(req, launcher="srun")
-    srun_line = shlex.join(LAUNCHER.build_command(req))
+    srun_line = shlex.join(SrunLauncher().build_command(req))
     options = req.slurm
     directives = [
         _directive("job_name", options.job_name),

@@ -2,7 +2,7 @@
 
 ``polytrain launch --launcher torchrun -H h1:2,h2:2 SPEC`` runs, for node ``i`` of ``N``::
 
-    ssh h<i> 'cd <cwd> && exec env VAR=... <python> -m polytrain.launchers.ssh_guard -- \
+    ssh h<i> 'cd <cwd> && exec <python> -m polytrain.launchers.ssh_guard --env-on-stdin -- \
         <torchrun> --nnodes=N --nproc_per_node=k --node_rank=i --master_addr=h1 --master_port=P ...'
 
 - torchrun's static rendezvous (``--node_rank``): node ranks follow the host order, so rank 0 is on the
@@ -11,9 +11,14 @@
   host (DeepSpeed's own per-node mode; its multi-node runner needs pdsh, which clusters rarely have). Given
   ``-- --launcher X`` DeepSpeed's own runner is used instead, as before.
 - The venv, the repository and the working directory are assumed to have the same paths on every host
-  (a shared home, as DeepSpeed's runner assumes too). ssh does not carry the environment: ``-x`` variables
-  and this process's ``POLYTRAIN_*``, ``GLOO_*``, ``NCCL_*``, ``TP_*``, ``TORCH_*``, ``OMP_*``, ``MKL_*``,
-  ``TF_*`` and ``PYTHON*`` variables are set explicitly on the remote command line.
+  (a shared home, as DeepSpeed's runner assumes too); the guard itself must import polytrain with that
+  interpreter and no forwarded variable (an installed polytrain, as in a venv).
+- ssh does not carry the environment: ``-x`` variables and this process's ``POLYTRAIN_*``, ``GLOO_*``,
+  ``NCCL_*``, ``TP_*``, ``TORCH_*``, ``OMP_*``, ``MKL_*``, ``PYTHON*`` and TensorFlow's own ``TF_*``
+  variables (`TF_PREFIXES`, `TF_NAMES`; not Terraform's ``TF_VAR_*``/``TF_TOKEN_*``, nor ``TF_CONFIG``,
+  which names one task and which polytrain builds for each rank) are sent to the guard as the first line
+  of the connection's stdin (JSON), never on a command line: any user of either host could read a
+  command line in ``/proc/<pid>/cmdline`` while the job runs, and a ``-x`` value may be a token.
 - ``ssh`` is whatever ``ssh`` is on PATH, with the user's ssh configuration (``BatchMode=yes``: a host that
   asks for a password fails at once instead of hanging).
 - The guard (`ssh_guard`, on the remote host) runs the launcher in a session of its own and watches its stdin,
@@ -27,6 +32,8 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
 import os
 import shlex
 import sys
@@ -34,7 +41,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 from polytrain.errors import LaunchError
 from polytrain.launchers import exit_board
-from polytrain.launchers.base import LaunchRequest, find_binary, format_command, procs_per_node, python_entry
+from polytrain.launchers.base import (
+    LaunchRequest,
+    OutputReading,
+    find_binary,
+    format_command,
+    procs_per_node,
+    python_entry,
+)
 from polytrain.launchers.failure_report import report_launcher_failure
 from polytrain.launchers.hostfile import to_deepspeed_hostfile
 from polytrain.launchers.launcher_output import LauncherOutput
@@ -42,7 +56,11 @@ from polytrain.launchers.processes import exit_code, supervise
 
 DEFAULT_TORCHRUN_PORT = 29400
 DEFAULT_DEEPSPEED_PORT = 29500
-FORWARDED_PREFIXES = ("POLYTRAIN_", "GLOO_", "NCCL_", "TP_", "TORCH_", "OMP_", "MKL_", "TF_", "PYTHON")
+FORWARDED_PREFIXES = ("POLYTRAIN_", "GLOO_", "NCCL_", "TP_", "TORCH_", "OMP_", "MKL_", "PYTHON")
+#: TensorFlow's own variables (logging, oneDNN, threads, GPU memory, XLA, Keras 2, determinism).
+TF_PREFIXES = ("TF_CPP_", "TF_ENABLE_", "TF_NUM_", "TF_FORCE_", "TF_GPU_", "TF_XLA_")
+TF_NAMES = ("TF_USE_LEGACY_KERAS", "TF_DETERMINISTIC_OPS", "TF_CUDNN_DETERMINISTIC")
+ENV_ON_STDIN = "--env-on-stdin"  # = ssh_guard.ENV_ON_STDIN
 HOSTFILE_ARG = "{hostfile}"  # = ssh_guard.HOSTFILE_ARG (not imported: `python -m` of a module imported already warns)
 SSH_FAILED = 255  # ssh's own exit code when it cannot connect or the connection breaks
 
@@ -58,11 +76,37 @@ class HostCommand:
     hostfile_text: str | None = None
 
 
+def is_forwarded(name: str) -> bool:
+    """Whether this process's variable ``name`` goes to the remote hosts without being asked for with -x."""
+    if name == "PYTHONHOME":
+        return False
+    return name.startswith(FORWARDED_PREFIXES) or name.startswith(TF_PREFIXES) or name in TF_NAMES
+
+
 def forwarded_env(req: LaunchRequest, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables set on every remote command line: this process's forwarded ones, then ``req.env``."""
+    """The variables every remote host gets: this process's forwarded ones, then ``req.env``."""
     environ = os.environ if environ is None else environ
-    env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) and k != "PYTHONHOME"}
-    return {**env, **req.env}
+    return {**{k: v for k, v in environ.items() if is_forwarded(k)}, **req.env}
+
+
+def env_payload(env: Mapping[str, str]) -> bytes:
+    """What the guard reads first from its stdin: the variables, as one line of JSON."""
+    return json.dumps(dict(env), separators=(",", ":")).encode() + b"\n"
+
+
+def stdin_pipe(payload: bytes) -> tuple[int, int]:
+    """A pipe holding ``payload`` already (grown to fit), so that no write waits for a host to read."""
+    read_end, write_end = os.pipe()
+    try:
+        if len(payload) > fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ):
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, len(payload))
+        os.write(write_end, payload)
+    except OSError as exc:
+        os.close(read_end)
+        os.close(write_end)
+        raise LaunchError(f"the environment sent to the hosts is {len(payload)} bytes, more than a pipe holds "
+                          f"here ({exc.strerror or exc}): forward fewer or shorter variables") from exc
+    return read_end, write_end
 
 
 def _master(req: LaunchRequest, default_port: int) -> tuple[str, int]:
@@ -104,26 +148,32 @@ def deepspeed_commands(req: LaunchRequest, environ: Mapping[str, str] | None = N
 
 
 def ssh_command(item: HostCommand, cwd: str | None = None, ssh: str = "ssh") -> list[str]:
-    """``ssh -o BatchMode=yes HOST 'cd CWD && exec env ... python -m ...ssh_guard [...] -- COMMAND'``."""
-    guard = [sys.executable, "-m", "polytrain.launchers.ssh_guard"]
+    """``ssh -o BatchMode=yes HOST 'cd CWD && exec python -m ...ssh_guard --env-on-stdin [...] -- COMMAND'``.
+
+    No variable's value is on it: ``item.env`` goes on stdin (`env_payload`)."""
+    guard = [sys.executable, "-m", "polytrain.launchers.ssh_guard", ENV_ON_STDIN]
     if item.hostfile_text is not None:
         guard += ["--hostfile-text", item.hostfile_text]
-    inner = ["env", *(f"{k}={v}" for k, v in item.env.items()), *guard, "--", *item.command]
-    remote = f"cd {shlex.quote(cwd or os.getcwd())} && exec {shlex.join(inner)}"
+    remote = f"cd {shlex.quote(cwd or os.getcwd())} && exec {shlex.join([*guard, '--', *item.command])}"
     return [ssh, "-o", "BatchMode=yes", item.host, remote]
 
 
 def describe(items: Sequence[HostCommand]) -> str:
-    """Every host's ssh line, each under a comment naming the host and its node rank."""
+    """Every host's ssh line, each under comments naming the host, its node rank and the variables it is sent."""
     lines = []
     for item in items:
-        lines += [f"# {item.host}: node {item.node_rank} of {len(items)}", format_command(ssh_command(item))]
+        lines.append(f"# {item.host}: node {item.node_rank} of {len(items)}")
+        if item.env:
+            lines.append(f"#   sent on the connection's stdin: {', '.join(item.env)}")
+        lines.append(format_command(ssh_command(item)))
     return "\n".join(lines)
 
 
-def run(launcher: str, req: LaunchRequest,
-        build: Callable[[LaunchRequest], list[HostCommand]] = torchrun_commands) -> int:
-    """Start ``build(req)`` on every host over ssh and wait; the first non-zero exit code of any host."""
+def run(launcher: str, req: LaunchRequest, build: Callable[[LaunchRequest], list[HostCommand]] = torchrun_commands,
+        reading: OutputReading | None = None) -> int:
+    """Start ``build(req)`` on every host over ssh and wait; the first non-zero exit code of any host.
+    ``reading``: the launcher's (`base.Launcher.reading`)."""
+    reading = reading or OutputReading()
     ssh = find_binary("ssh")
     if ssh is None:
         raise LaunchError(f"{launcher} on several hosts runs it on each over ssh, but ssh is not on PATH "
@@ -132,25 +182,27 @@ def run(launcher: str, req: LaunchRequest,
         req = dataclasses.replace(req, env={**req.env, exit_board.BOARD_VARIABLE: str(board)})
         items = build(req)
         commands = [ssh_command(item, ssh=ssh) for item in items]
-        outputs = [LauncherOutput(fd, debug=req.debug) for fd in (1, 2)]
+        outputs = [LauncherOutput(fd, debug=req.debug, frames=reading.frames) for fd in (1, 2)]
         failed: list[int | None] = []
-        read_end, write_end = os.pipe()  # the remote guards' stdin: closed when this process ends
+        pipes: list[tuple[int, int]] = []  # each guard's stdin: its variables, then open until this process ends
         try:
+            pipes += [stdin_pipe(env_payload(item.env)) for item in items]
             with exit_board.DeathWatch(board) as watch:
                 outcome = supervise(commands, [dict(os.environ)] * len(commands), stdout=outputs[0].open(),
-                                    stderr=outputs[1].open(), stdin=read_end,
+                                    stderr=outputs[1].open(), stdin=[read_end for read_end, _ in pipes],
                                     on_failure=lambda codes: failed.extend(codes) if not failed else None)
         finally:
-            os.close(read_end)
-            os.close(write_end)
+            for fd in (fd for pipe in pipes for fd in pipe):
+                os.close(fd)
             text = "\n".join(output.finish() for output in reversed(outputs))
         if outcome.code and outcome.signal is None:
-            _report(launcher, items, failed, outcome.code, exit_board.read_board(board), text, watch)
+            _report(launcher, items, failed, outcome.code, exit_board.read_board(board), text, watch, reading)
     return outcome.code
 
 
 def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | None], code: int,
-            records: Mapping[int, exit_board.RankRecord], text: str, watch: exit_board.DeathWatch) -> None:
+            records: Mapping[int, exit_board.RankRecord], text: str, watch: exit_board.DeathWatch,
+            reading: OutputReading) -> None:
     """The host that failed first, then (unless only ssh failed, before any rank started) the rank."""
     first = next((i for i, c in enumerate(failed) if c), None)
     ssh_only = False
@@ -163,4 +215,4 @@ def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | 
               f"stopped the other hosts", file=sys.stderr, flush=True)
     if not ssh_only:
         report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records),
-                                watch.signals_by_rank(records))
+                                watch.signals_by_rank(records), parsers=reading.parsers)

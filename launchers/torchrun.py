@@ -15,6 +15,8 @@ the script path (torchrun adds its own interpreter); anything else goes with
 
 from __future__ import annotations
 
+import re
+
 from polytrain.errors import LaunchError
 from polytrain.launchers import ssh_fanout
 from polytrain.launchers.base import (
@@ -25,10 +27,33 @@ from polytrain.launchers.base import (
     procs_per_node,
     python_entry,
 )
+from polytrain.launchers.failure_report import RankFailure, from_status
 
 DEFAULT_RDZV_PORT = 29400
 RDZV_ID = "polytrain"
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost")
+
+
+_TORCHRUN_ENTRY = re.compile(r"host\s*:\s*(\S+)\s*\n\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+_TORCHRUN_LOG = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def parse_torchrun(text: str) -> list[RankFailure]:
+    """torchrun's ``ChildFailedError`` block: the root cause, then the other failures; else its log lines
+    ("failed (exitcode: -9) local_rank: 1", right for the single node `polytrain launch` runs)."""
+    failures: list[RankFailure] = []
+    start = text.rfind("ChildFailedError")
+    if start >= 0:
+        block = text[start:]
+        cause_at = block.find("Root Cause")
+        parts = [block[cause_at:], block[:cause_at]] if cause_at >= 0 else [block]
+        for part in parts:
+            for host, rank, status in _TORCHRUN_ENTRY.findall(part):
+                failures.append(RankFailure(int(rank), host, **from_status(int(status))))
+    if not failures:
+        for status, rank in _TORCHRUN_LOG.findall(text):
+            failures.append(RankFailure(int(rank), **from_status(int(status))))
+    return failures
 
 
 def _program_args(program: tuple[str, ...]) -> list[str]:
@@ -38,6 +63,11 @@ def _program_args(program: tuple[str, ...]) -> list[str]:
 
 class TorchrunLauncher(CommandLauncher):
     name = binary = "torchrun"
+    install_hints = {"torchrun": "install PyTorch (pip install torch)"}
+    picks_local_port = True
+    failure_parsers = (parse_torchrun,)
+    traceback_frames = ("/bin/torchrun", "/torch/distributed/")
+    info_binaries = ("torchrun",)
 
     def build_command(self, req: LaunchRequest) -> list[str]:
         per_node = procs_per_node(req)
@@ -65,7 +95,7 @@ class TorchrunLauncher(CommandLauncher):
 
     def run(self, req: LaunchRequest) -> int:
         if req.hosts and not is_single_local_host(req):
-            return ssh_fanout.run("torchrun", req, ssh_fanout.torchrun_commands)
+            return ssh_fanout.run("torchrun", req, ssh_fanout.torchrun_commands, self.reading)
         if req.num_nodes > 1:
             raise LaunchError(
                 f"torchrun on {req.num_nodes} nodes without a host list: run the --dry-run command on each "

@@ -5,19 +5,23 @@ import signal
 
 import pytest
 
+from polytrain.launchers import registry
+from polytrain.launchers.deepspeed import parse_deepspeed
 from polytrain.launchers.exit_board import RankRecord
 from polytrain.launchers.failure_report import (
     RankFailure,
     choose,
     launcher_failure_line,
-    parse_deepspeed,
-    parse_hydra,
-    parse_launcher_output,
-    parse_openmpi,
-    parse_srun,
-    parse_torchrun,
     report_worker_failure,
 )
+from polytrain.launchers.mpirun import parse_hydra, parse_openmpi
+from polytrain.launchers.srun import parse_srun
+from polytrain.launchers.torchrun import parse_torchrun
+
+
+def parse_launcher_output(text: str) -> list[RankFailure]:
+    """As `polytrain launch` reads any launcher's output: with the parsers of every registered launcher."""
+    return registry.output_reading().parse(text)
 
 KILL, TERM = int(signal.SIGKILL), int(signal.SIGTERM)
 
@@ -171,6 +175,18 @@ def test_a_rank_that_failed_on_its_own_beats_one_stopped_by_the_launcher():
     assert choose(records, seen) == RankFailure(1, "h", code=1, reason="RuntimeError: injected")
     # and without a board: the SIGTERM is the launcher's cleanup
     assert choose({}, seen).rank == 1
+
+
+def test_a_rank_that_recorded_its_failure_and_was_then_stopped_is_named_by_what_it_recorded():
+    """Rank 1 raised and wrote its end on the board; its peer lost it and exited first, so torchrun SIGTERMed
+    rank 1 while its interpreter was still exiting: how rank 1 ended is its own error, not the launcher's stop."""
+    records = {0: record(0, end=6.0, code=1, reason="rank 0: a collective failed ...", peer_lost=True),
+               1: record(1, end=5.0, code=1, reason="RuntimeError: injected failure on rank 1")}
+    seen = [RankFailure(1, "h", signal=TERM)]
+    assert choose(records, seen) == RankFailure(1, "h", code=1, reason="RuntimeError: injected failure on rank 1")
+    # the same with the watch's reading of the signal instead of the launcher's word
+    assert choose(records, [], {}, {1: TERM}) == RankFailure(1, "h", code=1,
+                                                             reason="RuntimeError: injected failure on rank 1")
 
 
 def test_without_the_launchers_word_the_first_rank_to_die_silently_is_named():

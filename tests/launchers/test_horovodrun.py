@@ -3,7 +3,7 @@ import sys
 import pytest
 
 from polytrain.errors import LaunchError
-from polytrain.launchers import HorovodOptions, LaunchRequest, build_command, horovodrun
+from polytrain.launchers import HorovodOptions, LaunchRequest, build_command, horovodrun, mpirun
 from polytrain.launchers.horovod_worker import slot_environment
 
 PY = sys.executable
@@ -85,7 +85,8 @@ def test_fallback_across_hosts_goes_through_mpirun_and_the_worker_shim():
     assert m.env["HOROVOD_GLOO_IFACE"] == "ib0" and m.env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "n1"
     cmd = build_command(m)
     assert cmd[:6] == ["mpirun", "-np", "3", "-H", "n1:2,n2:2", "--map-by"]
-    assert "HOROVOD_CONTROLLER=gloo" in cmd and "MASTER_PORT=29500" in cmd
+    assert "HOROVOD_CONTROLLER" in cmd and "MASTER_PORT" in cmd
+    assert mpirun.LAUNCHER.launcher_env(m)["HOROVOD_CONTROLLER"] == "gloo" and m.env["MASTER_PORT"] == "29500"
     # what the shim adds on each rank, from the MPI rank mpirun gives it
     for mpi_rank, expected in [("0", ("n1", "0", "0")), ("2", ("n2", "2", "0"))]:
         slot = slot_environment({**m.env, "OMPI_COMM_WORLD_RANK": mpi_rank})

@@ -1,4 +1,5 @@
 import argparse
+import stat
 import sys
 
 import pytest
@@ -108,9 +109,25 @@ def test_launch_from_args_emits_sbatch(tmp_path, capsys):
     assert f"sbatch {out}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--emit-sbatch", "--emit-bsub"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_emitted_batch_scripts_are_readable_by_their_owner_only(tmp_path, monkeypatch, flag, existing):
+    """The script holds the -x values (here one taken from this environment): mode 0600, also over a
+    world-readable file that was there before."""
+    monkeypatch.setenv("POLYTRAIN_TEST_SECRET", "s3cr3t-token")
+    out = tmp_path / "job.script"
+    if existing:
+        out.write_text("old\n")
+        out.chmod(0o644)
+    assert launch_from_args(parse("-np", "2", "-x", "POLYTRAIN_TEST_SECRET", flag, str(out), "spec.yaml")) == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert "export POLYTRAIN_TEST_SECRET=s3cr3t-token\n" in out.read_text()
+
+
 def test_launch_from_args_dry_run_prints_and_starts_nothing(capsys):
     code = launch_from_args(parse("--dry-run", "--launcher", "mpirun", "--mpi-flavour", "openmpi", "-np", "2",
                                   "--master-port", "29999", "t.py"))
     assert code == 0
     out = capsys.readouterr().out
-    assert "-np 2" in out and "-x MASTER_PORT=29999" in out and out.rstrip().endswith(f"{PY} t.py")
+    assert out.startswith("MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 ")  # the values: in mpirun's environment
+    assert "-np 2" in out and "-x MASTER_PORT " in out and out.rstrip().endswith(f"{PY} t.py")

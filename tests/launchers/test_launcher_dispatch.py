@@ -7,12 +7,14 @@ import pytest
 
 from polytrain.errors import LaunchError
 from polytrain.launchers import (
-    LAUNCHER_NAMES,
     LAUNCHERS,
+    HorovodOptions,
     LaunchRequest,
     build_command,
+    describe,
     find_binary,
     get_launcher,
+    launcher_names,
     program_for_target,
     run,
 )
@@ -21,16 +23,19 @@ PY = sys.executable
 
 
 def test_every_launcher_name_has_a_launcher():
-    assert set(LAUNCHERS) == set(LAUNCHER_NAMES)
+    assert launcher_names() == ("torchrun", "mpirun", "horovodrun", "srun", "deepspeed", "local")
+    assert {type(get_launcher(name)) for name in launcher_names()} == {cls for cls in LAUNCHERS if cls.starts_jobs}
     with pytest.raises(LaunchError, match="--launcher must be one of"):
         get_launcher("pdsh")
+    with pytest.raises(LaunchError, match="--launcher must be one of"):
+        get_launcher("lsf")  # writes batch scripts only (--emit-bsub)
 
 
 def test_build_command_dispatches_on_the_launcher_name():
     program = (PY, "t.py")
     firsts = {
         name: build_command(LaunchRequest(launcher=name, nproc=2, program=program, mpi_flavour="openmpi"))[0]
-        for name in LAUNCHER_NAMES
+        for name in launcher_names()
     }
     assert firsts == {
         "torchrun": "torchrun", "mpirun": "mpirun", "horovodrun": "horovodrun",
@@ -50,8 +55,11 @@ def test_program_for_target():
 def test_request_validation():
     with pytest.raises(LaunchError, match="-np must be a positive integer"):
         LaunchRequest(launcher="local", nproc=0, program=(PY,))
-    with pytest.raises(LaunchError, match="--launcher must be one of"):
-        LaunchRequest(launcher="pdsh", nproc=1, program=(PY,))
+    pdsh = LaunchRequest(launcher="pdsh", nproc=1, program=(PY,))  # the registry refuses it where it is used
+    for use in (build_command, describe, run):
+        with pytest.raises(LaunchError, match="--launcher must be one of torchrun, mpirun, horovodrun, srun, "
+                                              "deepspeed, local; got 'pdsh'"):
+            use(pdsh)
     with pytest.raises(LaunchError, match="program to launch is empty"):
         LaunchRequest(launcher="local", nproc=1, program=())
     with pytest.raises(LaunchError, match="host 'a' has 0 slots"):
@@ -116,7 +124,7 @@ def test_missing_binary_dry_run_still_prints_with_a_note(no_binaries, capsys):
     req = LaunchRequest(launcher="mpirun", nproc=2, program=(PY, "t.py"), mpi_flavour="hydra", master_port=5)
     assert run(req, dry_run=True) == 0
     out = capsys.readouterr().out
-    assert out.startswith("mpiexec -n 2 -genv MASTER_ADDR 127.0.0.1 -genv MASTER_PORT 5")
+    assert out.startswith("MASTER_ADDR=127.0.0.1 MASTER_PORT=5 mpiexec -n 2 -genvlist MASTER_ADDR,MASTER_PORT ")
     assert "# note: mpiexec not found on PATH: install MPICH" in out
 
 
@@ -143,8 +151,18 @@ def test_horovodrun_dry_run_uses_the_real_binary_when_present(no_binaries, capsy
     fake = _fake_binary(no_binaries, "horovodrun")
     req = LaunchRequest(launcher="horovodrun", nproc=2, program=(PY, "t.py"), env={"A": "1"}, master_port=4243)
     assert run(req, dry_run=True) == 0
-    # horovodrun hands its environment to every worker: MASTER_* there serve torch.distributed backends
-    assert capsys.readouterr().out.strip() == f"MASTER_ADDR=127.0.0.1 MASTER_PORT=4243 A=1 {fake} -np 2 {PY} t.py"
+    # horovodrun hands its environment to every worker: MASTER_* there serve torch.distributed backends; the -x
+    # variables do not go there (its gloo mode writes its environment into each rank's command line) but
+    # through a 0600 file read in front of the program
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "# <temporary file> (mode 0600) holds the -x variables A",
+        f"MASTER_ADDR=127.0.0.1 MASTER_PORT=4243 {fake} -np 2 {sys.executable} -m polytrain.launchers.env_relay "
+        f"'<temporary file>' -- {PY} t.py",
+    ]
+    req = LaunchRequest(launcher="horovodrun", nproc=2, program=(PY, "t.py"), env={"A": "1"}, master_port=4243,
+                        horovod=HorovodOptions(controller="mpi"))
+    assert run(req, dry_run=True) == 0  # MPI mode: horovodrun gives mpirun `-x A`, by name
+    assert capsys.readouterr().out.strip() == f"MASTER_ADDR=127.0.0.1 MASTER_PORT=4243 A=1 {fake} -np 2 --mpi {PY} t.py"
 
 
 def test_horovodrun_dry_run_without_binary_describes_the_fallback(no_binaries, capsys):

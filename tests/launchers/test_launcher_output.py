@@ -4,7 +4,13 @@ launcher's own traceback (held back unless --debug); and the real channel (pipe)
 import subprocess
 import sys
 
-from polytrain.launchers.launcher_output import LauncherOutput
+from polytrain.launchers import registry
+from polytrain.launchers.launcher_output import LauncherOutput as _LauncherOutput
+
+
+def LauncherOutput(*args, **kwargs) -> _LauncherOutput:  # noqa: N802 - the class as `polytrain launch` makes it
+    """With the traceback frames of every registered launcher, as `polytrain launch` reads any launcher's output."""
+    return _LauncherOutput(*args, frames=registry.output_reading().frames, **kwargs)
 
 TORCHRUN_TRACEBACK = b"""\
 Traceback (most recent call last):

@@ -44,9 +44,9 @@ def req(**kw):
 
 def test_openmpi_single_host_not_root():
     assert mpirun.LAUNCHER.build_command(req(), cpu_count=2) == [
-        "mpirun", "-np", "2", "--bind-to", "none",
-        "-x", "MASTER_ADDR=127.0.0.1", "-x", "MASTER_PORT=29555", PY, "train.py",
+        "mpirun", "-np", "2", "--bind-to", "none", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", PY, "train.py",
     ]
+    assert mpirun.LAUNCHER.launcher_env(req()) == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
 
 
 def test_openmpi_as_root_oversubscribed_with_env_and_extra_args():
@@ -56,7 +56,7 @@ def test_openmpi_as_root_oversubscribed_with_env_and_extra_args():
     )
     assert cmd == [
         "mpirun", "-np", "3", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-        "-x", "MASTER_ADDR=127.0.0.1", "-x", "MASTER_PORT=29555", "-x", "GLOO_SOCKET_IFNAME=lo",
+        "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "GLOO_SOCKET_IFNAME",
         "--mca", "btl", "self,tcp", PY, "train.py",
     ]
 
@@ -70,7 +70,7 @@ def test_openmpi_multi_host_with_H():
     cmd = mpirun.LAUNCHER.build_command(req(nproc=4, hosts=[("n1", 2), ("n2", 2)], master_port=None), cpu_count=1)
     assert cmd == [
         "mpirun", "-np", "4", "-H", "n1:2,n2:2", "--map-by", "slot", "--bind-to", "none",
-        "-x", "MASTER_ADDR=n1", "-x", "MASTER_PORT=29500", PY, "train.py",
+        "-x", "MASTER_ADDR", "-x", "MASTER_PORT", PY, "train.py",
     ]
 
 
@@ -80,15 +80,15 @@ def test_openmpi_hostfile_is_passed_as_a_file():
     )
     assert cmd[:8] == ["mpirun", "-np", "4", "--hostfile", "/etc/hosts.mpi", "--map-by", "slot", "--allow-run-as-root"]
     assert "-H" not in cmd and "--oversubscribe" not in cmd
-    assert cmd[cmd.index("MASTER_ADDR=10.1.1.1") - 1] == "-x"
+    assert cmd[cmd.index("MASTER_ADDR") - 1] == "-x"
+    assert mpirun.LAUNCHER.launcher_env(req(master_addr="10.1.1.1", hosts=[("n1", 2)]))["MASTER_ADDR"] == "10.1.1.1"
 
 
 def test_hydra_flavour():
     cmd = build_command(req(mpi_flavour="hydra", nproc=4, hosts=[("n1", 2), ("n2", 2)], env={"A": "1"}, as_root=True))
     assert cmd == [
         "mpiexec", "-n", "4", "-hosts", "n1:2,n2:2",
-        "-genv", "MASTER_ADDR", "n1", "-genv", "MASTER_PORT", "29555", "-genv", "A", "1",
-        PY, "train.py",
+        "-genvlist", "MASTER_ADDR,MASTER_PORT,A", PY, "train.py",
     ]
     # Hydra by its own name where installed (a venv's Open MPI has an `mpiexec` too)
     hydra = "mpiexec.hydra" if shutil.which("mpiexec.hydra") else "mpiexec"

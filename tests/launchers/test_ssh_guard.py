@@ -11,10 +11,12 @@ import sys
 GUARD = [sys.executable, "-m", "polytrain.launchers.ssh_guard"]
 
 
-def guarded(*args: str) -> subprocess.CompletedProcess:
-    """The guard with a stdin kept open (as an ssh connection is) until it exits."""
+def guarded(*args: str, first: bytes = b"") -> subprocess.CompletedProcess:
+    """The guard with a stdin kept open (as an ssh connection is) until it exits; ``first`` is written to it
+    before the guard starts."""
     read_end, write_end = os.pipe()
     try:
+        os.write(write_end, first)
         return subprocess.run([*GUARD, *args], stdin=read_end, capture_output=True, text=True, timeout=60)
     finally:
         os.close(read_end)
@@ -47,6 +49,26 @@ def test_closed_stdin_stops_the_command_and_its_children() -> None:
     finally:
         guard.kill()
         guard.wait()
+
+
+def test_variables_come_from_the_first_line_of_stdin_and_the_connection_is_still_watched() -> None:
+    """What the fan-out sends (``ssh_fanout.env_payload``) reaches the command's environment."""
+    from polytrain.launchers.ssh_fanout import ENV_ON_STDIN, env_payload
+
+    payload = env_payload({"POLYTRAIN_TEST_SECRET": "s3 cr3t", "OTHER": "x"})
+    done = guarded(ENV_ON_STDIN, "--", "sh", "-c", 'printf "%s|%s" "$POLYTRAIN_TEST_SECRET" "$OTHER"', first=payload)
+    assert (done.returncode, done.stdout) == (0, "s3 cr3t|x")
+    done = guarded(ENV_ON_STDIN, "--hostfile-text", "h1 slots=1\n", "--", "cat", "{hostfile}", first=payload)
+    assert (done.returncode, done.stdout) == (0, "h1 slots=1\n")
+
+
+def test_a_bad_line_of_variables_is_one_line_and_exit_code_2() -> None:
+    done = guarded("--env-on-stdin", "--", "true", first=b"[1, 2]\n")
+    assert done.returncode == 2
+    assert done.stderr == "polytrain ssh_guard: the first line of stdin is not a JSON object of strings\n"
+    done = subprocess.run([*GUARD, "--env-on-stdin", "--", "true"], stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (2, "polytrain ssh_guard: stdin ended before the line of variables\n")
 
 
 def test_usage_without_a_command() -> None:

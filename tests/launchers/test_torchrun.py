@@ -47,17 +47,17 @@ def test_builder_is_pure_and_the_port_is_chosen_once_before_it(capsys, monkeypat
 
     bare = req(master_port=None)
     assert build_command(bare) == build_command(bare)  # no free_port() inside the builder
-    chosen = base.with_master_port(bare)
+    chosen = dispatch.with_master_port(bare)
     assert chosen.master_port is not None and 1024 <= chosen.master_port < 65536
     assert f"--rdzv_endpoint=127.0.0.1:{chosen.master_port}" in build_command(chosen)
-    assert base.with_master_port(chosen) == chosen  # a given port is kept
-    assert base.with_master_port(req(master_port=None, hosts=[("n1", 1), ("n2", 1)])).master_port is None
+    assert dispatch.with_master_port(chosen) == chosen  # a given port is kept
+    assert dispatch.with_master_port(req(master_port=None, hosts=[("n1", 1), ("n2", 1)])).master_port is None
 
     monkeypatch.setattr(base, "free_port", lambda host="": 40123)
     launchers.run(bare, dry_run=True)
     assert "--rdzv_endpoint=127.0.0.1:40123" in capsys.readouterr().out
     started = []
-    monkeypatch.setattr(dispatch.LAUNCHERS["torchrun"], "run", lambda r: started.append(r) or 0)
+    monkeypatch.setattr(torchrun.TorchrunLauncher, "run", lambda self, r: started.append(r) or 0)
     assert launchers.run(bare) == 0
     assert "--rdzv_endpoint=127.0.0.1:40123" in build_command(started[0])
 
@@ -105,11 +105,36 @@ def test_multi_host_dry_run_prints_every_host_over_ssh():
     assert items[1].env == {"GLOO_X": "y", "A": "1 2"}
     assert items[1].command[1:8] == ("--nnodes=2", "--nproc_per_node=2", "--node_rank=1", "--master_addr=n1",
                                      "--master_port=29400", "--max_restarts=0", "-m")
-    ssh = ssh_fanout.ssh_command(items[1], cwd="/w d")
-    assert ssh[:4] == ["ssh", "-o", "BatchMode=yes", "n2"]
-    assert ssh[4].startswith("cd '/w d' && exec env GLOO_X=y 'A=1 2' ") and "-m polytrain.launchers.ssh_guard -- " in ssh[4]
+    # no value on the ssh command line (any user of either host reads it in /proc): the variables go on stdin
+    assert ssh_fanout.ssh_command(items[1], cwd="/w d") == [
+        "ssh", "-o", "BatchMode=yes", "n2",
+        f"cd '/w d' && exec {PY} -m polytrain.launchers.ssh_guard --env-on-stdin -- {items[1].command[0]} "
+        "--nnodes=2 --nproc_per_node=2 --node_rank=1 --master_addr=n1 --master_port=29400 --max_restarts=0 "
+        "-m polytrain.cli train spec.yaml",
+    ]
+    assert ssh_fanout.env_payload(items[1].env) == b'{"GLOO_X":"y","A":"1 2"}\n'
     text = torchrun.LAUNCHER.describe(r)
     assert "# n1: node 0 of 2" in text and "# n2: node 1 of 2" in text and text.count("ssh -o BatchMode=yes") == 2
+    assert "#   sent on the connection's stdin: " in text and "1 2" not in text
+
+
+def test_only_tensorflows_own_tf_variables_are_forwarded_to_the_hosts():
+    """Terraform's TF_VAR_*/TF_TOKEN_* (tokens) stay here; TF_CONFIG names one task, so it is not copied to
+    every host; TensorFlow's logging, oneDNN, thread, GPU, XLA and Keras variables go."""
+    from polytrain.launchers import ssh_fanout
+
+    environ = {"TF_VAR_db_password": "p", "TF_TOKEN_app_terraform_io": "t", "TF_CLI_ARGS": "-no-color",
+               "TF_CONFIG": "{}", "TF_CPP_MIN_LOG_LEVEL": "1", "TF_ENABLE_ONEDNN_OPTS": "0",
+               "TF_NUM_INTRAOP_THREADS": "2", "TF_FORCE_GPU_ALLOW_GROWTH": "true", "TF_GPU_ALLOCATOR": "cuda_malloc_async",
+               "TF_XLA_FLAGS": "--tf_xla_auto_jit=2", "TF_USE_LEGACY_KERAS": "1", "TF_DETERMINISTIC_OPS": "1",
+               "PYTHONHOME": "/x", "PYTHONPATH": "/p", "HOME": "/root"}
+    r = req(nproc=2, hosts=[("n1", 1), ("n2", 1)], program=SPEC, env={"TF_CONFIG": "asked for"})
+    assert ssh_fanout.forwarded_env(r, environ) == {
+        "TF_CPP_MIN_LOG_LEVEL": "1", "TF_ENABLE_ONEDNN_OPTS": "0", "TF_NUM_INTRAOP_THREADS": "2",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true", "TF_GPU_ALLOCATOR": "cuda_malloc_async",
+        "TF_XLA_FLAGS": "--tf_xla_auto_jit=2", "TF_USE_LEGACY_KERAS": "1", "TF_DETERMINISTIC_OPS": "1",
+        "PYTHONPATH": "/p", "TF_CONFIG": "asked for",  # -x still forwards any variable
+    }
 
 
 def test_the_fanout_and_its_guard_agree_on_the_hostfile_placeholder():
