@@ -5,8 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polytrain.data import epoch_plan, eval_shard, load_dataset, steps_per_epoch
+from polytrain.data import epoch_plan, eval_shard, global_batch_size, load_dataset, steps_per_epoch
+from polytrain.data.live import data_from_objects
+from polytrain.errors import SpecError
 from polytrain.spec import DataSpec, SyntheticSpec
+
+
+def test_a_step_takes_batch_size_times_world_times_accumulation_unless_fixed() -> None:
+    """The planner takes numbers (data.batch_size, the data-parallel degree, loop.grad_accum_steps and
+    data.global_batch_size), not a spec."""
+    assert global_batch_size(32, 3, 2) == 192
+    assert global_batch_size(32, 3, 2, fixed=None) == 192
+    assert [global_batch_size(32, world, accum, fixed=100) for world, accum in ((1, 1), (4, 3))] == [100, 100]
 
 
 @pytest.mark.parametrize("n,batch,world,accum", [(1437, 32, 2, 1), (1437, 16, 3, 2), (100, 7, 4, 3), (5, 4, 3, 1)])
@@ -61,3 +71,28 @@ def test_synthetic_and_npz(tmp_path) -> None:
     np.savez(path, x=np.zeros((10, 1, 4, 4)), y=np.arange(10) % 3)
     d = load_dataset(DataSpec(name="npz", path=str(path), val_fraction=0.2), seed=0)
     assert d.info.image_shape == (1, 4, 4) and d.info.num_outputs == 3 and len(d.x_val) == 2
+
+
+def test_npz_takes_data_classes(tmp_path) -> None:
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.zeros((10, 3)), y=np.arange(10) % 3)
+    assert load_dataset(DataSpec(name="npz", path=str(path), classes=5), seed=0).info.num_outputs == 5
+    with pytest.raises(SpecError, match=r"^data.classes: 2, but y in .*d.npz has label 2 \(labels 0..classes-1\)$"):
+        load_dataset(DataSpec(name="npz", path=str(path), classes=2), seed=0)
+
+
+@pytest.mark.parametrize(("x", "y", "message"), [
+    (np.array([[1.0], [np.nan], [2.0]]), np.array([0, 1, 0]),
+     "train_data: x holds NaN or Inf (or a value float32 cannot hold) at sample 1; values must be finite numbers"),
+    (np.array([[1.0], [1e39], [2.0]]), np.array([0, 1, 0]), "train_data: x holds NaN or Inf"),
+    (np.ones((3, 1)), np.array([0.5, np.inf, 1.0]), "train_data: y holds NaN or Inf (or a value float32 cannot hold) "
+     "at sample 1"),
+    (np.ones((3, 1)), np.array([0, 1, 2**40]), "train_data: y has label 1099511627776; without data.classes labels "
+     "must be below 1048576 (set data.classes if the model really needs 1099511627777 outputs)"),
+    (np.array([[1, 2], [3, 2**40]]), np.array([[2, 3], [2**40, 4]]), "train_data: x or y has token id 1099511627776"),
+])
+def test_arrays_given_to_fit_must_be_finite_and_labels_sane(x: np.ndarray, y: np.ndarray, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        data_from_objects((x, y), None, DataSpec(), seed=0)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "\n" not in str(info.value)

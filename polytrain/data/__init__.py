@@ -3,9 +3,9 @@
 
 from polytrain.data.arrays import Dataset, load_dataset, token_corpus
 from polytrain.data.plan import StepPlan, epoch_plan, eval_shard, global_batch_size, shuffled, steps_per_epoch
-from polytrain.data.source import ArraySource, Data, Source, Subset, split
+from polytrain.data.source import ArraySource, Data, DatasetInfo, Source, Subset, split
 
 __all__ = [
-    "ArraySource", "Data", "Dataset", "Source", "StepPlan", "Subset", "epoch_plan", "eval_shard",
+    "ArraySource", "Data", "Dataset", "DatasetInfo", "Source", "StepPlan", "Subset", "epoch_plan", "eval_shard",
     "global_batch_size", "load_dataset", "shuffled", "split", "steps_per_epoch", "token_corpus",
 ]

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from polytrain.data.files import check_inferred, finite_or_refuse
 from polytrain.data.plan import split_indices
+from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 from polytrain.spec import DataSpec, TokenSpec
 
 
@@ -48,7 +49,7 @@ def _synthetic(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), y.astype(np.int64)
 
 
-def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+def _npz(path: str, classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     try:
         loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -65,8 +66,19 @@ def _npz(path: str) -> tuple[np.ndarray, np.ndarray]:
             raise SpecError(f"data.path: {path} is not a readable .npz file: {' '.join(str(exc).split())}") from exc
     if len(x) != len(y) or len(x) == 0:
         raise SpecError(f"data.path: x and y must have the same, non-zero length (x: {len(x)}, y: {len(y)})")
-    x = x.astype(np.float32)
-    y = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # beyond float32: Inf, refused below
+        x = x.astype(np.float32)
+        y = y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
+    finite_or_refuse(x, f"data.path: {path}: x")
+    finite_or_refuse(y, f"data.path: {path}: y")
+    if y.dtype == np.int64:
+        low, high = int(y.min()), int(y.max())
+        if low < 0:
+            raise SpecError(f"data.path: {path}: y has label {low}; class labels must be 0 or more")
+        if classes is not None and high >= classes:
+            raise SpecError(f"data.classes: {classes}, but y in {path} has label {high} (labels 0..classes-1)")
+        if classes is None:
+            check_inferred(high, f"data.path: {path}: y")
     return x, y
 
 
@@ -108,13 +120,15 @@ def load_dataset(spec: DataSpec, seed: int) -> Dataset:
     elif spec.name == "synthetic":
         x, y = _synthetic(spec)
     else:
-        x, y = _npz(spec.path or "")
+        x, y = _npz(spec.path or "", spec.classes)
         if x.ndim == 4:
             image_shape = tuple(x.shape[1:])
             x = x.reshape(len(x), -1)
     regression = y.dtype == np.float32
     train, val = split_indices(len(x), spec.val_fraction, seed)
-    num_outputs = 1 if regression else int(y.max()) + 1
+    if regression and spec.classes is not None:
+        raise SpecError("data.classes: given, but the labels are floats (regression)")
+    num_outputs = 1 if regression else spec.classes or int(y.max()) + 1
     info = DatasetInfo(
         input_shape=tuple(x.shape[1:]),
         num_outputs=num_outputs,

@@ -17,9 +17,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from polytrain.data.source import Data, Source, Subset, split
+from polytrain.data.source import Data, DatasetInfo, Source, Subset, split
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 
 T = TypeVar("T")
 
@@ -42,6 +41,24 @@ def expand(path: str, field: str, suffixes: Sequence[str]) -> list[Path]:
     return sorted(found)
 
 
+def check_apart(train: Sequence[Path], val: Sequence[Path]) -> None:
+    """No file is both: ``data.val_path`` inside a ``data.path`` read recursively (or a glob matching both)
+    would put validation samples into training. Refused rather than dropped from training, so the files a
+    run trains on are always the ones ``data.path`` names."""
+    seen = {os.path.realpath(p) for p in train}
+    shared = [p for p in val if os.path.realpath(p) in seen]
+    if shared:
+        raise SpecError(f"data.val_path: {len(shared)}/{len(val)} validation files are also read by data.path "
+                        f"(first: {shared[0]}); give data.path without them (a directory or glob that leaves the "
+                        "validation files out)")
+
+
+def nested(a: Path, b: Path) -> bool:
+    """Whether one of two directories is (inside) the other."""
+    a, b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
+    return a == b or a in b.parents or b in a.parents
+
+
 def label_task(kind: str, where: str) -> str:
     """``classification`` for integer (or boolean) labels, ``regression`` for floats (numpy dtype ``kind``)."""
     if kind in "iub":
@@ -51,12 +68,44 @@ def label_task(kind: str, where: str) -> str:
     raise SpecError(f"data.label: {where} holds {kind!r}-kind values; labels must be integers (classes) or floats")
 
 
+#: the most classes (or token ids) a source infers from its largest label: a stray label of 2**40 would
+#: otherwise make a model with 10**12 outputs. More are taken when data.classes (data.vocab) says so.
+MAX_INFERRED_CLASSES = 1 << 20
+
+
 def check_label_range(low: int, high: int, classes: int | None, where: str) -> None:
-    """Class labels are ``0 .. classes-1``: a negative one, or one ≥ ``data.classes``, is an error naming ``where``."""
+    """Class labels are ``0 .. classes-1``: a negative one, one ≥ ``data.classes``, or without it one ≥
+    `MAX_INFERRED_CLASSES`, is an error naming ``where``."""
     if low < 0:
         raise SpecError(f"data.label: {where} has label {low}; class labels must be 0 or more")
     if classes is not None and high >= classes:
         raise SpecError(f"data.label: {where} has label {high}, not below data.classes {classes}")
+    if classes is None:
+        check_inferred(high, f"data.label: {where}")
+
+
+def check_inferred(high: int, where: str, setting: str = "data.classes", what: str = "label") -> None:
+    """Without ``setting``, the largest label (token id) must be below `MAX_INFERRED_CLASSES`; ``where``
+    starts the message (``data.label: <file>``)."""
+    if high >= MAX_INFERRED_CLASSES:
+        raise SpecError(f"{where} has {what} {high}; without {setting} {what}s must be below "
+                        f"{MAX_INFERRED_CLASSES} (set {setting} if the model really needs {high + 1} outputs)")
+
+
+def finite_or_refuse(values: np.ndarray, where: str) -> None:
+    """An in-memory array (``where``: ``train_data: x``, a file ...) holding NaN or ±Inf is an error."""
+    bad = first_nonfinite(values)
+    if bad is not None:
+        raise SpecError(f"{where} holds NaN or Inf (or a value float32 cannot hold) at sample {bad}; values must be "
+                        "finite numbers")
+
+
+def first_nonfinite(values: np.ndarray) -> int | None:
+    """The first row of ``values`` holding NaN or ±Inf (float arrays; None when there is none)."""
+    if values.dtype.kind not in "fc" or np.isfinite(values).all():
+        return None
+    flat = np.isfinite(values).reshape(len(values), -1).all(axis=1)
+    return int(np.argmin(flat))
 
 
 def num_outputs(task: str, classes: int | None, high: int) -> int:

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-_FORMATS = {".png": ("PNG",), ".jpg": ("JPEG",), ".jpeg": ("JPEG",)}  # skip probing every other format
+_FORMATS = {".png": ("PNG",), ".jpg": ("JPEG",), ".jpeg": ("JPEG",), ".webp": ("WEBP",), ".bmp": ("BMP",),
+            ".gif": ("GIF",), ".tif": ("TIFF",), ".tiff": ("TIFF",)}  # skip probing every other format
 _HEADER = struct.Struct("<I")
 
 

@@ -1,18 +1,21 @@
-"""``data.name: images`` — a class-per-folder tree of PNG/JPEG files, decoded with Pillow.
+"""``data.name: images`` — a class-per-folder tree of image files (PNG, JPEG, WebP, BMP, GIF, TIFF, ...),
+decoded with Pillow.
 
 The convention of torchvision's ``ImageFolder`` and Keras' ``image_dataset_from_directory``: the classes
 are the sorted names of ``data.path``'s sub-directories, their label the position in that list; the
-images are every ``*.png``/``*.jpg``/``*.jpeg`` under a class folder, sorted. A validation tree
-(``data.val_path``) uses the training tree's class names. Each image is converted to ``data.channels``
-(``L`` or ``RGB``), resized to ``data.image_size`` when given (else every image must have the first
-one's size: checked as each is read), scaled to [0, 1], normalised by ``data.mean``/``data.std`` and
-flattened in (C, H, W) order. Map-style: the epoch's order is a full shuffle.
+images are every file under a class folder whose suffix is one of `FORMATS` this Pillow opens, sorted.
+A validation tree (``data.val_path``) uses the training tree's class names. Each image is converted to
+``data.channels`` (``L`` or ``RGB``), resized to ``data.image_size`` when given (else every image must have
+the first one's size: checked as each is read), scaled to [0, 1], normalised by ``data.mean``/``data.std``
+and flattened in (C, H, W) order. Map-style: the epoch's order is a full shuffle.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +23,29 @@ import numpy as np
 from PIL import Image
 
 from polytrain.data.decode_pool import DecodePool, DecoderGone
-from polytrain.data.files import assemble, pair
+from polytrain.data.files import assemble, check_apart, nested, pair
 from polytrain.data.image_decode import Decoder, ImageProblem
 from polytrain.data.plan import shuffled
-from polytrain.data.source import Data
+from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 from polytrain.spec import AugmentSpec, DataSpec
 
-SUFFIXES = (".png", ".jpg", ".jpeg")
-Augment = Callable[[np.ndarray, np.ndarray, np.random.Generator], tuple[np.ndarray, np.ndarray]]
+#: the raster formats read, each where this Pillow can open it (WebP, AVIF, JPEG 2000 depend on its build); other
+#: files under the class folders are not images to this source (named in the error when a tree holds no image)
+FORMATS = (".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".webp", ".bmp", ".dib", ".gif", ".tif", ".tiff", ".ppm", ".pgm",
+           ".pbm", ".pnm", ".tga", ".avif", ".qoi", ".jp2", ".j2k")
+
+
+@functools.cache
+def image_suffixes() -> tuple[str, ...]:
+    """The suffixes of `FORMATS` this Pillow opens (some of its registered ones only identify a file, or are
+    containers of other data: HDF5, GRIB, MPEG)."""
+    Image.init()
+    known = Image.registered_extensions()
+    return tuple(s for s in FORMATS if known.get(s) in Image.OPEN)
+
+
+Augment = Callable[[np.ndarray, np.ndarray, Sequence[np.random.Generator]], tuple[np.ndarray, np.ndarray]]
 
 
 def _class_folders(root: Path, field: str) -> list[str]:
@@ -70,13 +86,21 @@ class ImageFolderSource:
                             f"(classes: {', '.join(self.classes)})")
         files: list[Path] = []
         labels: list[int] = []
+        suffixes, skipped = image_suffixes(), collections.Counter[str]()
         for name in folders:
-            found = sorted(p for p in (root / name).rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
-            files += found
+            found = []
+            for p in (root / name).rglob("*"):
+                if p.is_file():
+                    if p.suffix.lower() in suffixes:
+                        found.append(p)
+                    else:
+                        skipped[p.suffix.lower() or "no suffix"] += 1
+            files += sorted(found)
             labels += [self.classes.index(name)] * len(found)
         if not files:
-            raise SpecError(f"data.{field}: no {'/'.join('*' + s for s in SUFFIXES)} files under the class folders "
-                            f"of {root}")
+            others = f" (only {', '.join(f'{n} {s}' for s, n in skipped.most_common(5))})" if skipped else ""
+            raise SpecError(f"data.{field}: no image files under the class folders of {root}{others}; read: "
+                            f"{' '.join(suffixes)}")
         self.files, self.labels = files, np.asarray(labels, dtype=np.int64)
         self.mode = "L" if spec.channels == 1 else "RGB"
         self.scale, self.offset = normalisation(spec)
@@ -151,26 +175,32 @@ def worker_kind(spec: DataSpec) -> str:
 
 def make_augment(shape: tuple[int, int, int], options: AugmentSpec, fill: np.ndarray) -> Augment | None:
     """Seeded random crop (pad by ``crop_padding`` with ``fill``, the normalised black of each channel, and
-    crop back) and horizontal flip, over a whole batch of flat (C, H, W) images at once."""
+    crop back) and horizontal flip, over a whole batch of flat (C, H, W) images at once.
+
+    Each sample's crop offsets and flip come from its own Generator (``rngs[i]``, seeded by seed, epoch and
+    the sample's index): three uniform draws, crop row, crop column and flip, whichever are used."""
     c, h, w = shape
     p = options.crop_padding
     if not p and not options.horizontal_flip:
         return None
 
-    def augment(x: np.ndarray, y: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def augment(x: np.ndarray, y: np.ndarray, rngs: Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
         n = len(x)
+        if len(rngs) != n:
+            raise ValueError(f"augment: {len(rngs)} generators for {n} samples")
+        draws = np.array([rng.random(3) for rng in rngs]).reshape(n, 3)
         images = x.reshape(n, c, h, w)
         if p:
             padded = np.empty((n, c, h + 2 * p, w + 2 * p), dtype=x.dtype)
             padded[:] = fill[None, :, None, None]
             padded[:, :, p:p + h, p:p + w] = images
-            dy, dx = rng.integers(0, 2 * p + 1, size=(2, n))
+            dy, dx = (draws[:, :2] * (2 * p + 1)).astype(np.int64).T
             windows = np.lib.stride_tricks.sliding_window_view(padded, (h, w), axis=(2, 3))
             images = windows[np.arange(n), :, dy, dx]  # (n, c, h, w): each image's own window
         if options.horizontal_flip:
-            flip = rng.random(n) < 0.5
+            flip = draws[:, 2] < 0.5
             images = np.where(flip[:, None, None, None], images[..., ::-1], images)
-        return np.ascontiguousarray(images, dtype=x.dtype).reshape(n, -1), y
+        return np.ascontiguousarray(images, dtype=x.dtype).reshape(n, c * h * w), y
 
     return augment
 
@@ -182,6 +212,8 @@ def open_images(spec: DataSpec, seed: int) -> Data:
     val = None
     if spec.val_path is not None:
         val = ImageFolderSource(Path(spec.val_path), "val_path", spec, classes=train.classes, reference=train.reference)
+        if nested(train.root, val.root):  # else no file can be both (listing a big tree's real paths is not free)
+            check_apart(train.files, val.files)
     classes = len(train.classes)
     if spec.classes is not None and spec.classes < classes:
         raise SpecError(f"data.classes: {spec.classes}, but {spec.path} has {classes} class folders "

@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from polytrain.data.source import ArraySource, Data, Source, split
+from polytrain.data.files import check_inferred, finite_or_refuse
+from polytrain.data.source import ArraySource, Data, DatasetInfo, Source, split
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 from polytrain.spec import DataSpec
 
 
@@ -26,21 +26,30 @@ def _array_source(x: np.ndarray, y: np.ndarray, classes: int | None, where: str)
     or float32 regression targets, int64 token sequences for next-token data."""
     if np.issubdtype(y.dtype, np.integer) and np.issubdtype(x.dtype, np.integer) and x.shape == y.shape \
             and x.ndim == 2:
+        if classes is None:
+            check_inferred(int(max(x.max(), y.max())), f"{where}: x or y", what="token id")
         vocab = classes or int(max(x.max(), y.max())) + 1
         info = DatasetInfo(input_shape=(x.shape[1],), num_outputs=vocab, task="next_token")
         return ArraySource(x.astype(np.int64), y.astype(np.int64)), info
     image_shape = tuple(int(d) for d in x.shape[1:]) if x.ndim == 4 else None
-    x = x.reshape(len(x), -1).astype(np.float32) if x.ndim == 4 else x.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # beyond float32: Inf, refused below
+        x = x.reshape(len(x), -1).astype(np.float32) if x.ndim == 4 else x.astype(np.float32)
+    finite_or_refuse(x, f"{where}: x")
     if np.issubdtype(y.dtype, np.integer):
         if y.min() < 0 or (classes is not None and y.max() >= classes):
             allowed = f"0..{classes - 1} (data.classes {classes})" if classes is not None else "0 or more"
             raise SpecError(f"{where}: class labels must be {allowed}, found {int(y.min())}..{int(y.max())}")
+        if classes is None:
+            check_inferred(int(y.max()), f"{where}: y")
         info = DatasetInfo(input_shape=tuple(x.shape[1:]), num_outputs=classes or int(y.max()) + 1,
                            task="classification", image_shape=image_shape)  # type: ignore[arg-type]
         return ArraySource(x, y.astype(np.int64)), info
     info = DatasetInfo(input_shape=tuple(x.shape[1:]), num_outputs=1, task="regression",
                        image_shape=image_shape)  # type: ignore[arg-type]
-    return ArraySource(x, y.astype(np.float32)), info
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = y.astype(np.float32)
+    finite_or_refuse(y, f"{where}: y")
+    return ArraySource(x, y), info
 
 
 def _source(value: Any, spec: DataSpec, where: str) -> tuple[Source, DatasetInfo]:

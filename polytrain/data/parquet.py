@@ -26,15 +26,16 @@ import pyarrow.parquet as pq
 from polytrain.data.files import (
     BlockCache,
     assemble,
+    check_apart,
     check_label_range,
     expand,
+    first_nonfinite,
     label_task,
     num_outputs,
     pair,
 )
-from polytrain.data.source import Data
+from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 from polytrain.spec import DataSpec
 
 Block = tuple[np.ndarray, np.ndarray]
@@ -193,7 +194,7 @@ class ParquetSource:
                 for batch in handle.iter_batches(chunk_rows, row_groups=[i], columns=[*self.features, self.label],
                                                  use_threads=False):
                     k = batch.num_rows
-                    self._fill(batch, x[at:at + k], y[at:at + k], f, i)
+                    self._fill(batch, x[at:at + k], y[at:at + k], f, i, at)
                     at += k
         except (OSError, pa.ArrowException) as exc:
             raise SpecError(f"data.{self.field}: cannot read row group {i} of {self.paths[f]}: {exc}") from exc
@@ -203,15 +204,26 @@ class ParquetSource:
             raise SpecError(f"data.{self.field}: row group {i} of {self.paths[f]} has {at} rows, its footer says {n}")
         return x, y
 
-    def _fill(self, batch: pa.RecordBatch, x: np.ndarray, y: np.ndarray, f: int, i: int) -> None:
+    def _finite(self, values: np.ndarray, name: str, field: str, f: int, i: int, at: int) -> None:
+        bad = first_nonfinite(values)
+        if bad is not None:
+            raise SpecError(f"data.{field}: column {name!r} has NaN or Inf (or a value float32 cannot hold) in "
+                            f"{self.paths[f]} (row group {i}, row {at + bad}); values must be finite numbers")
+
+    def _fill(self, batch: pa.RecordBatch, x: np.ndarray, y: np.ndarray, f: int, i: int, at: int) -> None:
+        """Row group ``i``'s rows ``at`` .. ``at + len(x)`` of file ``f`` into ``x`` and ``y``, checked."""
         labels = batch.column(self.label)
         self._no_nulls(labels, self.label, "label", f, i)
-        y[:] = labels.to_numpy(zero_copy_only=False)
+        with np.errstate(over="ignore"):  # a float64 beyond float32 becomes Inf: refused just below
+            y[:] = labels.to_numpy(zero_copy_only=False)
+        self._finite(y, self.label, "label", f, i, at)
         if not self.array:
             for k, name in enumerate(self.features):
                 column = batch.column(name)
                 self._no_nulls(column, name, "features", f, i)
-                x[:, k] = column.to_numpy(zero_copy_only=False)
+                with np.errstate(over="ignore"):
+                    x[:, k] = column.to_numpy(zero_copy_only=False)
+                self._finite(x[:, k], name, "features", f, i, at)
             return
         column = batch.column(self.features[0])
         self._no_nulls(column, self.features[0], "features", f, i)
@@ -222,7 +234,9 @@ class ParquetSource:
                             f"holds arrays of length {bad}, not {self.width} like the first row's")
         values = column.flatten()
         self._no_nulls(values, self.features[0], "features", f, i)
-        x[:] = values.to_numpy(zero_copy_only=False).reshape(len(x), self.width)
+        with np.errstate(over="ignore"):
+            x[:] = values.to_numpy(zero_copy_only=False).reshape(len(x), self.width)
+        self._finite(x, self.features[0], "features", f, i, at)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -264,6 +278,8 @@ def open_parquet(spec: DataSpec, seed: int) -> Data:
 
     train = one(spec.path, "path")
     val = one(spec.val_path, "val_path") if spec.val_path else None
+    if val is not None:
+        check_apart(train.paths, val.paths)
     if val is not None and (val.width, val.task) != (train.width, train.task):
         raise SpecError(f"data.val_path: {val.paths[0]} has {val.width} features and {val.task} labels; "
                         f"data.path has {train.width} and {train.task}")

@@ -18,13 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from polytrain.data.files import assemble, expand, num_outputs, pair
+from polytrain.data.files import assemble, check_apart, expand, num_outputs, pair
 from polytrain.data.image_decode import Decoder, ImageProblem
 from polytrain.data.images import make_augment, normalisation
 from polytrain.data.parquet import Block, ParquetSource, open_parquet
-from polytrain.data.source import Data
+from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 from polytrain.spec import DataSpec
 
 #: the data.* fields that describe images: only for a column of encoded images
@@ -96,7 +95,10 @@ class ParquetImageSource(ParquetSource):
             self._no_nulls(column, name, field, f, i)
         blobs = np.empty(len(images), dtype=object)
         blobs[:] = _blobs(images).to_pylist()
-        return blobs, labels.to_numpy().astype(self.y_dtype, copy=False)
+        with np.errstate(over="ignore"):
+            y = labels.to_numpy().astype(self.y_dtype, copy=False)
+        self._finite(y, self.label, "label", f, i, 0)
+        return blobs, y
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         assert self.decoder is not None
@@ -142,7 +144,9 @@ def open_parquet_data(spec: DataSpec, seed: int) -> Data:
     val = None
     if spec.val_path is not None:
         size = (train.decoder.height, train.decoder.width)
-        val = ParquetImageSource(expand(spec.val_path, "val_path", (".parquet",)), spec, "val_path", size=size)
+        val_files = expand(spec.val_path, "val_path", (".parquet",))
+        check_apart(files, val_files)
+        val = ParquetImageSource(val_files, spec, "val_path", size=size)
         if val.task != train.task:
             raise SpecError(f"data.val_path: {val.paths[0]} has {val.task} labels; data.path has {train.task}")
     high = 0

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
 
 
 @dataclass(frozen=True)
@@ -35,9 +34,10 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
     return order[n_val:], order[:n_val]
 
 
-def global_batch_size(spec: DataSpec, world_size: int, accum: int) -> int:
-    """Samples per optimizer step: ``data.global_batch_size``, else batch_size × world size × accumulation."""
-    return spec.global_batch_size or spec.batch_size * world_size * accum
+def global_batch_size(batch_size: int, world_size: int, accum: int, fixed: int | None = None) -> int:
+    """Samples per optimizer step: ``fixed`` (``data.global_batch_size``) when set, else batch_size × world
+    size × accumulation."""
+    return fixed or batch_size * world_size * accum
 
 
 def steps_per_epoch(n_train: int, global_batch: int) -> int:

@@ -3,8 +3,12 @@
 Threads, not processes: the readers spend their time in pyarrow, Pillow, numpy and file reads,
 which release the GIL, and a thread hands its batch over without pickling (processes would copy
 every batch through a pipe; ``bench/data_throughput.py`` measures the readers). What a batch holds
-depends only on the plan and the seeds — each micro-batch's augmentation and transform get a
-Generator seeded by (seed, epoch, step, micro-step) — never on which thread read it or when.
+depends only on the plan and the seeds, never on which thread read it or when.
+
+Randomness is per sample: each sample's augmentation and the user's transform draw from that sample's
+own Generator, seeded by (seed, epoch, the sample's index in its source) (`sample_rngs`). A sample is
+therefore augmented alike at every world size, micro-batch split and resume point, and two ranks' samples
+draw differently.
 """
 
 from __future__ import annotations
@@ -20,55 +24,98 @@ import numpy as np
 from polytrain.data.plan import StepPlan
 from polytrain.data.source import Source
 from polytrain.errors import SpecError
-from polytrain.user_code import load_callable
+from polytrain.user_code import call_user, load_callable, user_name
 
 Batch = tuple[np.ndarray, np.ndarray]
-BatchFn = Callable[[np.ndarray, np.ndarray, np.random.Generator], Batch]
+Rngs = Sequence[np.random.Generator]
+#: ``(x, y, rngs) -> (x, y)``: ``rngs[i]`` is sample ``i``'s Generator (see `sample_rngs`)
+BatchFn = Callable[[np.ndarray, np.ndarray, Rngs], Batch]
+
+#: the stream tags of `sample_rngs`: every key has the same length, so no two streams share a seed
+#: (numpy pads a short entropy list with zeros: ``[a, b]`` and ``[a, b, 0]`` seed alike)
+TRAINING, VALIDATION = 0, 1
 
 
-def load_transform(path: str | None, field_name: str = "data.transform") -> BatchFn | None:
-    """``package.module:function`` as a batch function taking ``(x, y, rng)`` (the user's may omit ``rng``)."""
+def sample_rngs(seed: int, stream: int, epoch: int, indices: np.ndarray) -> list[np.random.Generator]:
+    """One Generator per sample, seeded by (seed, stream, epoch, the sample's index in its source)."""
+    return [np.random.default_rng([seed, stream, epoch, int(i)]) for i in indices]
+
+
+class Transform:
+    """The user's ``data.transform``, with the per-sample randomness contract.
+
+    A function taking ``rng`` runs once per sample (a batch of one, ``x[i:i+1], y[i:i+1]``, with
+    ``rng=`` that sample's Generator) and the rows are concatenated; one taking ``rngs`` gets the whole
+    batch and the list of its samples' Generators; one taking neither runs once on the whole batch.
+    Either way a sample's draws do not depend on the batch it lands in.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str = "data.transform") -> None:
+        self.fn, self.name = fn, name
+        try:
+            parameters = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            parameters = {}  # type: ignore[assignment]
+        self.kind = "rngs" if "rngs" in parameters else "rng" if "rng" in parameters else "batch"
+
+    @property
+    def needs_rngs(self) -> bool:
+        return self.kind != "batch"
+
+    def __call__(self, x: np.ndarray, y: np.ndarray, rngs: Rngs | None) -> Batch:
+        if self.kind == "batch":
+            return self._checked(self.fn(x, y))
+        assert rngs is not None
+        if self.kind == "rngs":
+            return self._checked(self.fn(x, y, rngs=list(rngs)))
+        if len(x) == 0:  # an empty micro-batch (the last step's) still takes the transform's shapes
+            return self._checked(self.fn(x, y, rng=np.random.default_rng(0)))
+        rows = [self._checked(self.fn(x[i:i + 1], y[i:i + 1], rng=rng)) for i, rng in enumerate(rngs)]
+        return np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+
+    def _checked(self, out: Any) -> Batch:
+        x, y = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+        if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
+            got = f"({type(x).__name__}, {type(y).__name__})" if y is not None else f"a {type(out).__name__}"
+            raise SpecError(f"{self.name}: must return (x, y) numpy arrays, got {got}")
+        return x, y
+
+
+def load_transform(path: str | None, field_name: str = "data.transform") -> Transform | None:
+    """``package.module:function`` as a `Transform` (``(x, y)``, ``(x, y, rng=)`` or ``(x, y, rngs=)``)."""
     if path is None:
         return None
-    fn = load_callable(path, field_name)
-    try:
-        takes_rng = "rng" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        takes_rng = False
-    if takes_rng:
-        return lambda x, y, rng: fn(x, y, rng=rng)
-    return lambda x, y, rng: fn(x, y)
+    return Transform(load_callable(path, field_name), field_name)
 
 
 class Prefetcher:
     """Reads the micro-batches of the coming steps in ``workers`` threads, up to ``depth`` steps ahead."""
 
     def __init__(self, workers: int, depth: int, seed: int, augment: BatchFn | None = None,
-                 transform: BatchFn | None = None, transform_name: str = "data.transform") -> None:
+                 transform: Transform | None = None, transform_name: str = "data.transform") -> None:
         self.depth, self.seed = depth, seed
         self.augment, self.transform, self.transform_name = augment, transform, transform_name
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="polytrain-data") if workers > 0 else None
 
-    def read(self, source: Source, indices: np.ndarray, key: Sequence[int], train: bool) -> Batch:
-        """One batch: read, then (training only) augment, then the user's transform; ``key`` seeds both."""
+    def read(self, source: Source, indices: np.ndarray, epoch: int, train: bool) -> Batch:
+        """One batch: read, then (training only) augment, then the user's transform; both draw from the
+        samples' Generators (`sample_rngs`: ``indices`` are the samples' indices in ``source``)."""
         x, y = source.read(indices)
-        if self.augment is None and self.transform is None:
+        augment = self.augment if train else None
+        if augment is None and self.transform is None:
             return x, y
-        rng = np.random.default_rng([self.seed, *key])  # key: (0, epoch, step, micro) or (1, epoch, batch)
-        if train and self.augment is not None:
-            x, y = self.augment(x, y, rng)
+        rngs = None
+        if augment is not None or self.transform.needs_rngs:  # type: ignore[union-attr]
+            rngs = sample_rngs(self.seed, TRAINING if train else VALIDATION, epoch, indices)
+        if augment is not None:
+            x, y = augment(x, y, rngs)  # type: ignore[arg-type]
         if self.transform is not None:
-            try:
-                out = self.transform(x, y, rng)
-                x, y = out
-            except SpecError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the user's code: say whose it is
-                raise SpecError(f"{self.transform_name}: raised {type(exc).__name__}: {exc}") from exc
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
-                raise SpecError(f"{self.transform_name}: must return (x, y) numpy arrays, got "
-                                f"({type(x).__name__}, {type(y).__name__})")
+            x, y = self._transform(x, y, rngs)
         return x, y
+
+    def _transform(self, x: np.ndarray, y: np.ndarray, rngs: Rngs | None) -> Batch:
+        assert self.transform is not None
+        return call_user(self.transform_name, user_name(self.transform.fn), self.transform, x, y, rngs)
 
     def _submit(self, fn: Callable[..., Batch], *args: Any) -> Future[Batch] | Batch:
         return self._pool.submit(fn, *args) if self._pool is not None else fn(*args)
@@ -88,9 +135,9 @@ class Prefetcher:
                     nxt = next(plans, None)
                     if nxt is None:
                         break
-                    step, plan = nxt
-                    pending.append((plan, [self._submit(self.read, source, idx, (0, epoch, step, m), True)
-                                           for m, idx in enumerate(plan.micro_batches)]))
+                    _, plan = nxt
+                    pending.append((plan, [self._submit(self.read, source, idx, epoch, True)
+                                           for idx in plan.micro_batches]))
                 if not pending:
                     return
                 plan, batches = pending.popleft()
@@ -105,8 +152,8 @@ class Prefetcher:
         """Evaluation batches, read ahead (no augmentation), at most ``depth`` × 2 in flight."""
         pending: collections.deque[Future[Batch] | Batch] = collections.deque()
         try:
-            for i, idx in enumerate(index_batches):
-                pending.append(self._submit(self.read, source, idx, (1, epoch, i), False))
+            for idx in index_batches:
+                pending.append(self._submit(self.read, source, idx, epoch, False))
                 if len(pending) >= 2 * self.depth:
                     yield self._result(pending.popleft())
             while pending:

@@ -11,7 +11,7 @@ planner (`polytrain.data.plan.epoch_plan`) cuts that order into steps, ranks and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +19,16 @@ import numpy as np
 
 from polytrain.data.plan import shuffled, split_indices
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a model is built for: one sample's shape, the outputs and the task."""
+
+    input_shape: tuple[int, ...]  # one sample, e.g. (64,) for digits
+    num_outputs: int  # classes, or 1 for regression
+    task: str  # "classification" | "regression" | "next_token"
+    image_shape: tuple[int, int, int] | None = None  # (channels, height, width) when samples are images
 
 
 class Source(Protocol):
@@ -43,9 +52,10 @@ class Data:
     info: DatasetInfo
     #: what the exactly-once and ordering guarantee of ``train`` is, in words (for the log)
     guarantee: str = "every sample once per epoch, fully shuffled"
-    #: seeded augmentation of training batches, ``(x, y, rng) -> (x, y)``, run in the data workers with a
-    #: numpy Generator seeded by (seed, epoch, step, micro-step); None: none
-    augment: Callable[[np.ndarray, np.ndarray, np.random.Generator], tuple[np.ndarray, np.ndarray]] | None = None
+    #: seeded augmentation of training batches, ``(x, y, rngs) -> (x, y)``, run in the data workers; ``rngs[i]``
+    #: is sample i's numpy Generator, seeded by (seed, epoch, its index in ``train``); None: none
+    augment: Callable[[np.ndarray, np.ndarray, Sequence[np.random.Generator]],
+                      tuple[np.ndarray, np.ndarray]] | None = None
 
 
 class ArraySource:

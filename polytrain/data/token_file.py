@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from polytrain.data.files import RawFile, assemble, pair
+from polytrain.data.files import RawFile, assemble, check_apart, check_inferred, pair
 from polytrain.data.plan import shuffled
-from polytrain.data.source import Data
+from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 from polytrain.spec import DataSpec
 
 _SCAN_TOKENS = 1 << 22  # ids read at a time by the vocabulary scan (8-16 MiB)
@@ -85,10 +84,16 @@ def open_token_file(spec: DataSpec, seed: int) -> Data:
     assert spec.path is not None and spec.seq_len is not None
     train = TokenFileSource(Path(spec.path), "path", spec.dtype, spec.seq_len)
     val = TokenFileSource(Path(spec.val_path), "val_path", spec.dtype, spec.seq_len) if spec.val_path else None
+    if val is not None:
+        check_apart([train.path], [val.path])
     if spec.vocab is not None:
         vocab = spec.vocab
     else:
-        vocab = max(s.largest_id() for s in ([train] if val is None else [train, val])) + 1
+        vocab = 0
+        for source in [train] if val is None else [train, val]:
+            largest = source.largest_id()
+            check_inferred(largest, f"data.{source.field}: {source.path}", "data.vocab", "token id")
+            vocab = max(vocab, largest + 1)
     for source in (train, val):
         if source is not None:
             source.vocab = vocab

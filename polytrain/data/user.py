@@ -23,13 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from polytrain.data.files import assemble, num_outputs
+from polytrain.data.files import assemble, check_inferred, first_nonfinite, num_outputs
 from polytrain.data.plan import shuffled
-from polytrain.data.source import Data, split
+from polytrain.data.source import Data, DatasetInfo, split
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
 from polytrain.spec import DataSpec
-from polytrain.user_code import load_callable
+from polytrain.user_code import call_user, load_callable
 
 
 def as_numpy(value: Any) -> np.ndarray:
@@ -114,8 +113,14 @@ class UserSource:
             if xi.shape != self.sample_shape:
                 raise SpecError(f"{self.say()}item {keys[k]} has x of shape {xi.shape}, item 0 {self.sample_shape}; "
                                 "every item's x must have one shape")
-            x[k] = xi.reshape(x.shape[1:])
-            y[k] = yi.reshape(y.shape[1:])
+            with np.errstate(over="ignore", invalid="ignore"):  # beyond float32: Inf, refused below
+                x[k] = xi.reshape(x.shape[1:])
+                y[k] = yi.reshape(y.shape[1:])
+        for values, field in ((x, "features"), (y, "label")):
+            bad = first_nonfinite(values)
+            if bad is not None:
+                raise SpecError(f"{self.say(field)}item {keys[bad]} has NaN or Inf in its {'x' if field == 'features' else 'y'} "
+                                "(or a value float32 cannot hold); values must be finite numbers")
         if self.classes is not None and n and (y.min() < 0 or y.max() >= self.classes):
             bad = ((y < 0) | (y >= self.classes)).reshape(n, -1)
             k = int(np.argmax(bad.any(axis=1)))
@@ -161,7 +166,10 @@ def dataset_source(dataset: Any, where: str, spec: DataSpec, name: str | None = 
     shape = source.sample_shape
     classes = None
     if source.task != "regression":
-        classes = num_outputs("classification", spec.classes, source.largest_label() if spec.classes is None else 0)
+        largest = source.largest_label() if spec.classes is None else 0
+        if spec.classes is None:
+            check_inferred(largest, source.say("label")[:-2])
+        classes = num_outputs("classification", spec.classes, largest)
     source.classes = classes
     image_shape = tuple(int(d) for d in shape) if len(shape) == 3 and source.task != "next_token" else None
     input_shape = (int(np.prod(shape)),) if source.flatten else tuple(int(d) for d in shape)
@@ -192,12 +200,7 @@ def open_user_dataset(spec: DataSpec, seed: int) -> Data:
     splits the one dataset."""
     assert spec.factory is not None
     factory = load_callable(spec.factory, "data.factory")
-    try:
-        dataset = factory()
-    except SpecError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the user's code: say whose it is
-        raise SpecError(f"data.factory: {spec.factory} raised {type(exc).__name__}: {exc}") from exc
+    dataset = call_user("data.factory", spec.factory, factory)
     train, val, key = _splits(dataset, spec.factory)
     source, info = dataset_source(train, "data.factory", spec, name=spec.factory)
     if val is None:

@@ -72,6 +72,54 @@ def _mixed_sizes(tmp: Path) -> tuple[DataSpec, str]:
     return DataSpec(name="images", path=str(root)), "img3.png"
 
 
+def _csv_val_inside_path(tmp: Path) -> tuple[DataSpec, str]:
+    (tmp / "d" / "val").mkdir(parents=True)
+    for name in ("d/train.csv", "d/val/held.csv"):
+        (tmp / name).write_text("a,label\n1,0\n2,1\n")
+    return csv_spec(tmp / "d", val_path=str(tmp / "d" / "val")), "held.csv"
+
+
+def _images_val_inside_path(tmp: Path) -> tuple[DataSpec, str]:
+    root = image_tree(tmp)
+    for k in range(2):  # a validation tree with the same classes, inside the training tree
+        (root / "val" / f"class{k}").mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(root / "val" / f"class{k}" / f"held{k}.png")
+    return DataSpec(name="images", path=str(root), val_path=str(root / "val")), "held"
+
+
+def _parquet_images_val_inside_path(tmp: Path) -> tuple[DataSpec, str]:
+    import io
+
+    blobs = []
+    for _ in range(4):
+        buffer = io.BytesIO()
+        Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+        blobs.append(buffer.getvalue())
+    (tmp / "d").mkdir()
+    for name in ("train.parquet", "held.parquet"):
+        pq.write_table(pa.table({"image": pa.array(blobs, pa.binary()), "label": np.arange(4) % 2}), tmp / "d" / name)
+    return DataSpec(name="parquet", path=str(tmp / "d"), val_path=str(tmp / "d" / "held.parquet"),
+                    features=("image",), label="label"), "held.parquet"
+
+
+def _csv(tmp: Path, text: str, **fields: object) -> tuple[DataSpec, str]:
+    (tmp / "t.csv").write_text(text)
+    return csv_spec(tmp / "t.csv", **fields), "t.csv"
+
+
+def _npz(tmp: Path, x: np.ndarray, y: np.ndarray) -> tuple[DataSpec, str]:
+    np.savez(tmp / "t.npz", x=x, y=y)
+    return DataSpec(name="npz", path=str(tmp / "t.npz")), "t.npz"
+
+
+def _dataset(tmp: Path, items: str) -> tuple[DataSpec, str]:
+    m = factory_module(tmp, f"def make():\n    return {items}\n")
+    return DataSpec(name="dataset", factory=m + ":make"), m
+
+
+BIG = 2**40  # a stray label: inferred as the class count, a model of 10**12 outputs
+
+
 CASES: dict[str, tuple[str, Case]] = {
     "parquet glob matches nothing": ("path", lambda t: (pq_spec(t / "nothing-*.parquet"), "nothing-*.parquet")),
     "parquet directory without parquet": ("path", lambda t: (pq_spec(t), str(t))),
@@ -100,6 +148,36 @@ CASES: dict[str, tuple[str, Case]] = {
     "csv quoted field never closes": ("path", lambda t: ((t / "t.csv").write_text('a,note,label\n1,"ok",0\n2,"open,1\n3,x,1\n'),
                                                          csv_spec(t / "t.csv"))[1:] + ("t.csv",)),
     "csv glob matches nothing": ("path", lambda t: (csv_spec(t / "*.csv"), "*.csv")),
+    "csv val_path inside path": ("val_path", _csv_val_inside_path),
+    "parquet glob matches val_path": ("val_path", lambda t: (pq_spec(t / "*.parquet", val_path=str(
+        parquet(t, "v.parquet"))), "v.parquet")),
+    "parquet images val_path inside path": ("val_path", _parquet_images_val_inside_path),
+    "images val tree inside the training tree": ("val_path", _images_val_inside_path),
+    "token file val_path is path": ("val_path", lambda t: (DataSpec(
+        name="token_file", path=str(p := tokens(t, np.arange(40, dtype=np.uint16).tobytes())), val_path=str(p),
+        seq_len=3), "t.bin")),
+    # issue 26: non-finite values, stray huge labels
+    "csv NaN in a feature": ("features", lambda t: _csv(t, "a,label\n1,0\nnan,1\n")),
+    "csv value beyond float32 in a feature": ("features", lambda t: _csv(t, "a,label\n1e39,0\n2,1\n")),
+    "csv Inf label": ("label", lambda t: _csv(t, "a,label\n1,0.5\n2,inf\n")),
+    "csv huge label": ("label", lambda t: _csv(t, f"a,label\n1,0\n2,{BIG}\n")),
+    "parquet NaN in a feature": ("features", lambda t: (pq_spec(parquet(t, a=np.array([1.0, np.nan, 2.0]),
+                                                                        label=np.array([0, 1, 0]))), "t.parquet")),
+    "parquet NaN in an array feature": ("features", lambda t: (pq_spec(parquet(
+        t, a=pa.array([[1.0, 2.0], [3.0, np.inf]], pa.list_(pa.float64(), 2)), label=np.array([0, 1]))), "t.parquet")),
+    "parquet Inf label": ("label", lambda t: (pq_spec(parquet(t, a=np.ones(3), label=np.array([0.5, -np.inf, 1.0]))),
+                                              "t.parquet")),
+    "parquet huge label": ("label", lambda t: (pq_spec(parquet(t, a=np.ones(3), label=np.array([0, 1, BIG]))),
+                                               "t.parquet")),
+    "npz NaN in x": ("path", lambda t: _npz(t, np.array([[0.0], [np.nan]]), np.array([0, 1]))),
+    "npz huge label": ("path", lambda t: _npz(t, np.ones((3, 2)), np.array([0, 1, BIG]))),
+    "npz negative label": ("path", lambda t: _npz(t, np.ones((3, 2)), np.array([0, -1, 1]))),
+    "token ids beyond the inferred vocabulary": ("path", lambda t: (DataSpec(
+        name="token_file", path=str(tokens(t, np.array([1, 2, 3, 1 << 21] * 4, dtype=np.uint32).tobytes())),
+        dtype="uint32", seq_len=3), "t.bin")),
+    "dataset NaN in x": ("features", lambda t: _dataset(t, "[([1.0], 0.5), ([float('nan')], 1.5)] * 3")),
+    "dataset Inf target": ("label", lambda t: _dataset(t, "[([1.0], 0.5), ([2.0], float('inf'))] * 3")),
+    "dataset huge label": ("label", lambda t: _dataset(t, f"[([1.0], 0), ([2.0], {BIG})] * 3")),
     "images corrupt file": ("path", _corrupt_image),
     "images mixed sizes without image_size": ("image_size", _mixed_sizes),
     "images no class folders": ("path", lambda t: (DataSpec(name="images", path=str(t)), str(t))),
@@ -120,8 +198,6 @@ CASES: dict[str, tuple[str, Case]] = {
     "factory is not a path": ("factory", lambda t: (DataSpec(name="dataset", factory="just_a_name"), "just_a_name")),
     "factory returns no dataset": ("factory", lambda t: (DataSpec(name="dataset", factory=(
         m := factory_module(t, "def make():\n    return iter(range(3))\n")) + ":make"), m)),
-    "factory raises": ("factory", lambda t: (DataSpec(name="dataset", factory=(
-        m := factory_module(t, "def make():\n    raise RuntimeError('no data here')\n")) + ":make"), m)),
     "dataset label >= classes": ("label", lambda t: (DataSpec(name="dataset", classes=3, factory=(
         m := factory_module(t, "def make():\n    return [([1.0], i) for i in range(5)]\n")) + ":make"), m)),
     "dataset dict rows without columns": ("features", lambda t: (DataSpec(name="dataset", factory=(
@@ -135,7 +211,7 @@ def read_everything(data: Data) -> None:
         for start in range(0, len(order), 4):
             x, y = source.read(order[start:start + 4])
             if data.augment is not None:
-                data.augment(x, y, np.random.default_rng(0))
+                data.augment(x, y, [np.random.default_rng(i) for i in range(len(x))])
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))

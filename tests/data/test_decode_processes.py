@@ -18,7 +18,8 @@ pytest.importorskip("PIL.Image")
 
 from polytrain.data.images import open_images  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.spec import DataSpec, from_dict  # noqa: E402
+from polytrain.spec import DataSpec  # noqa: E402
+from polytrain.validation import from_dict  # noqa: E402
 from tests.data.test_images import write_tree  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,6 +10,7 @@ import pytest
 Image = pytest.importorskip("PIL.Image")
 
 from polytrain.data.images import ImageFolderSource, make_augment, open_images  # noqa: E402
+from polytrain.data.prefetch import sample_rngs  # noqa: E402
 from polytrain.spec import AugmentSpec, DataSpec  # noqa: E402
 
 H, W = 5, 6
@@ -104,8 +105,8 @@ def test_augment_is_a_seeded_crop_and_flip(tmp_path: Path) -> None:
     fill = np.array([-1.0, -2.0], dtype=np.float32)
     augment = make_augment((c, h, w), AugmentSpec(crop_padding=p, horizontal_flip=True), fill)
     assert augment is not None and make_augment((c, h, w), AugmentSpec(), fill) is None
-    out, y = augment(x, np.arange(64), np.random.default_rng(5))
-    again, _ = augment(x, np.arange(64), np.random.default_rng(5))
+    out, y = augment(x, np.arange(64), sample_rngs(5, 0, 1, np.arange(64)))
+    again, _ = augment(x, np.arange(64), sample_rngs(5, 0, 1, np.arange(64)))
     np.testing.assert_array_equal(out, again)
     assert out.shape == x.shape and out.dtype == np.float32 and y.tolist() == list(range(64))
     flips, shifts = 0, set()
@@ -128,3 +129,39 @@ def test_a_png_named_jpg_still_opens(tmp_path: Path) -> None:
     data = open_images(spec(tmp_path / "tree", channels=1, val_fraction=0.0), seed=0)
     x, y = data.train.read(np.arange(2))
     assert ids(x, y).tolist() == [0, 1] and y.tolist() == [0, 1]
+
+
+def test_webp_bmp_gif_and_tiff_are_read_like_png(tmp_path: Path) -> None:
+    """Every raster format Pillow opens here is read (WebP and BMP files were skipped without a word)."""
+    from polytrain.data.images import image_suffixes
+
+    assert {".png", ".jpg", ".webp", ".bmp", ".gif", ".tif"} <= set(image_suffixes())
+    root = tmp_path / "tree"
+    saves = {".png": {}, ".webp": {"lossless": True}, ".bmp": {}, ".gif": {}, ".tiff": {}}
+    written = {}
+    for k, (suffix, options) in enumerate(saves.items()):
+        for label in (0, 1):
+            sample = 2 * k + label
+            (root / f"class{label}").mkdir(parents=True, exist_ok=True)
+            grey = pixels(sample, 1)[..., 0]
+            Image.fromarray(grey, "L").save(root / f"class{label}" / f"img{sample}{suffix}", **options)
+            written[sample] = (label, grey)
+    (root / "class0" / "notes.txt").write_text("not an image")
+    source = open_images(spec(root, channels=1, val_fraction=0.0), seed=0).train
+    assert len(source) == 10
+    x, y = source.read(np.arange(10))
+    for row, label in zip(x, y):
+        want_label, want = written[int(ids(row[None], None)[0])]
+        assert label == want_label
+        np.testing.assert_allclose(row.reshape(H, W), want / 255.0, atol=1e-7)
+
+
+def test_a_tree_without_images_names_what_it_skipped(tmp_path: Path) -> None:
+    from polytrain.errors import SpecError
+
+    for name in ("a/x.heic", "a/y.heic", "b/notes.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"...")
+    with pytest.raises(SpecError, match=r"^data.path: no image files under the class folders of .* \(only 2 .heic, "
+                                        r"1 .txt\); read: .png .jpg .jpeg .*\.webp .*\.bmp"):
+        open_images(spec(tmp_path), seed=0)

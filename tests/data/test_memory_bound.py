@@ -124,15 +124,15 @@ TRAINER = STATUS + r"""
 import json, sys, time
 
 
-from polytrain import spec as spec_mod
+from polytrain import validation
 from polytrain.trainer import Trainer
 from polytrain.world import World
 
 path, out = sys.argv[1], sys.argv[2]
 mlp = {"name": "mlp", "params": {"hidden_sizes": [8]}}
-warm_up = spec_mod.from_dict({"backend": "local", "model": mlp, "loop": {"epochs": 1}, "output": out + "/warm-up"})
+warm_up = validation.from_dict({"backend": "local", "model": mlp, "loop": {"epochs": 1}, "output": out + "/warm-up"})
 Trainer(warm_up, World(), show_progress=False).fit()  # every import and lazy start-up happens here, not below
-spec = spec_mod.from_dict({
+spec = validation.from_dict({
     "backend": "local", "model": mlp,
     "data": {"name": "parquet", "path": path, "features": ["x"], "label": "label", "val_fraction": 0.01,
              "batch_size": 4096},

@@ -12,7 +12,8 @@ import pytest
 
 from polytrain.data.user import dataset_source, open_user_dataset
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec, from_dict
+from polytrain.spec import DataSpec
+from polytrain.validation import from_dict
 
 FACTORIES = '''
 import numpy as np
