@@ -19,6 +19,13 @@ never taken.
 Re-saving a step that exists (resuming a run that had finished) replaces its directory whole: a
 crash at any moment leaves one complete checkpoint of that step (see `polytrain.checkpoint_files`).
 
+Runs: every checkpoint names the run that wrote it (``run_id``; a resumed run goes on with the run id of the
+checkpoint it resumed from, a fresh run has a new one). A save touches only its own run's checkpoints: it
+refuses to replace a step directory of another run, and sets aside and prunes only its own run's (an
+`Owner`). Checkpoints written before run ids existed have none; a run resumed from one of them takes those
+of its model digest as its own. ``.tmp-`` directories are removed only when the process named in them has
+ended.
+
 Rollback: the newest save wins, whatever its step. A run resumed from an earlier step that saves
 step S, where directories of higher steps exist, abandons those: once step S is durable (after
 ``latest`` names it), they are moved into one ``abandoned-after-step-<S>-<time>-<pid>/`` directory
@@ -40,7 +47,9 @@ import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +60,52 @@ from polytrain.errors import UserError
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+TMP_DIR = re.compile(r"^\.tmp-step-\d{8,}-(\d+)-\d+$")
+RUN_KEY = "run_id"
 _fsync_dir, _sha256, _write_file = cf.fsync_dir, cf.sha256, cf.write_file
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used: missing, partial, corrupt, or from an incompatible spec."""
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The checkpoints a run may replace, set aside and prune: those of its run id, and — for a run resumed
+    from a checkpoint written before run ids (``legacy_digest``, its model digest) — those without a run id
+    of that model digest."""
+
+    run_id: str | None
+    legacy_digest: str | None = None
+
+    def owns(self, manifest: Mapping[str, Any] | None) -> bool:
+        if not isinstance(manifest, Mapping):
+            return False
+        theirs = manifest.get(RUN_KEY)
+        if theirs is None and self.legacy_digest is not None:
+            return manifest.get("model_digest") == self.legacy_digest
+        return theirs == self.run_id
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """A checkpoint directory's manifest as it is (unverified), or None when missing or unreadable."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def run_of(path: Path) -> str:
+    """Which run wrote a checkpoint, in words."""
+    manifest = read_manifest(path)
+    if manifest is None:
+        return "an unreadable manifest"
+    return f"run {manifest[RUN_KEY]}" if manifest.get(RUN_KEY) else "a run from before run ids"
 
 
 def _contiguous(value: np.ndarray) -> np.ndarray:
@@ -134,15 +184,22 @@ def _step(path: Path) -> int:
 
 def save_checkpoint(root: Path, step: int, tensors: Mapping[str, Mapping[str, np.ndarray]],
                     manifest: Mapping[str, Any], keep_last: int | None = None, *,
-                    abandon_future: bool | None = None) -> Path:
+                    abandon_future: bool | None = None, owner: Owner | None = None) -> Path:
     """Write one checkpoint atomically under ``root`` (rank 0 only); returns its directory.
 
     ``tensors`` maps a file stem (``model``, ``optimizer``) to its name → array mapping. Step directories
     above ``step`` are moved aside once this one is durable (see the module's rollback rule) when
     ``abandon_future`` is true; by default, when ``keep_last`` is given (a run's sequence of saves).
+    ``owner``: whose checkpoints this save may replace, set aside and prune (default: those of the
+    manifest's run id); a step directory of another run is never replaced (`CheckpointError`).
     """
+    owner = owner or Owner(manifest.get(RUN_KEY))
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
+    cf.recover_replaced(root)
+    if final.exists() and not owner.owns(read_manifest(final)):
+        raise CheckpointError(f"checkpoint.dir: {final} was written by {run_of(final)}, not this one; polytrain "
+                              f"never replaces another run's checkpoint: choose another checkpoint.dir (or output)")
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{int(time.time() * 1e3)}"
     tmp.mkdir()
     try:
@@ -163,27 +220,43 @@ def save_checkpoint(root: Path, step: int, tensors: Mapping[str, Mapping[str, np
     os.replace(pointer, root / "latest")
     _fsync_dir(root)
     if keep_last is not None if abandon_future is None else abandon_future:
-        set_aside_future(root, step)
+        set_aside_future(root, step, owner)
     if keep_last is not None:
-        prune(root, keep_last)
+        prune(root, keep_last, owner)
     return final
 
 
-def set_aside_future(root: Path, step: int) -> Path | None:
-    """Move every step directory above ``step`` into a new ``abandoned-after-step-…`` directory under
-    ``root``; returns it (None when there was nothing to move)."""
+def set_aside_future(root: Path, step: int, owner: Owner | None = None) -> Path | None:
+    """Move every step directory above ``step`` (of ``owner``'s run; default: of no run id) into a new
+    ``abandoned-after-step-…`` directory under ``root``; returns it (None when there was nothing to move)."""
     cf.recover_replaced(root)
-    future = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and _step(p) > step and p.is_dir())
-    if not future:
+    owner = owner or Owner(None)
+    future = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) and _step(p) > step and p.is_dir()
+                    and owner.owns(read_manifest(p)))
+    return move_aside(root, future, f"abandoned-after-{step_dir_name(step)}")
+
+
+def move_aside(root: Path, paths: list[Path], prefix: str) -> Path | None:
+    """Move ``paths`` (anywhere under ``root``) into a new ``<prefix>-<time>-<pid>/`` directory under ``root``
+    at the same relative places, durably; returns it (None when ``paths`` is empty). Such a directory is never
+    listed, pruned or resumed from."""
+    if not paths:
         return None
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    aside = root / f"abandoned-after-{step_dir_name(step)}-{stamp}-{os.getpid()}"
+    aside = root / f"{prefix}-{stamp}-{os.getpid()}"
     aside.mkdir()
-    for path in future:
-        os.replace(path, aside / path.name)
-    _fsync_dir(aside)
-    _fsync_dir(root)
+    for path in paths:
+        target = aside / path.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    for parent in sorted({(aside / p.relative_to(root)).parent for p in paths} | {p.parent for p in paths}):
+        _fsync_dir(parent)
     return aside
+
+
+def foreign_checkpoints(root: Path, owner: Owner) -> list[Path]:
+    """The complete checkpoints under ``root`` that ``owner``'s run did not write, oldest first."""
+    return [p for p in complete_checkpoints(root) if not owner.owns(read_manifest(p))]
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -217,16 +290,19 @@ def _newest_first(root: Path, candidates: list[Path]) -> list[Path]:
     return [named, *reversed(lower), *reversed(higher)]
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Remove all but the newest ``keep_last`` complete checkpoints, and stale temporaries. The newest are
-    the one ``latest`` names and those below it: it is never removed, nor anything above it."""
+def prune(root: Path, keep_last: int, owner: Owner | None = None) -> None:
+    """Remove all but the newest ``keep_last`` complete checkpoints of ``owner``'s run (default: of no run id),
+    and temporaries whose writer has ended. The newest are the one ``latest`` names and those below it: it is
+    never removed, nor anything above it; nor is any checkpoint of another run."""
+    owner = owner or Owner(None)
     candidates = complete_checkpoints(root)
     named = _named_by_latest(root, candidates)
-    lineage = [p for p in candidates if named is None or _step(p) <= _step(named)]
+    lineage = [p for p in candidates if (named is None or _step(p) <= _step(named)) and owner.owns(read_manifest(p))]
     for old in lineage[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for tmp in root.glob(".tmp-step-*"):
-        if str(os.getpid()) not in tmp.name:
+        m = TMP_DIR.match(tmp.name)
+        if m and not cf.alive(int(m.group(1))):  # another writer's, still being written: left to it
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -134,7 +134,8 @@ def swap_in(tmp: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` (this one included) exists on this machine."""
     if pid == os.getpid():
         return True
     try:
@@ -152,7 +153,7 @@ def recover_replaced(root: Path) -> None:
     try:
         for aside in root.glob(".replaced-step-*"):
             m = REPLACED.match(aside.name)
-            if not m or not aside.is_dir() or _alive(int(m.group(2))):
+            if not m or not aside.is_dir() or alive(int(m.group(2))):
                 continue
             final = root / m.group(1)
             if final.exists():

@@ -3,7 +3,11 @@
 - inspect: a table of what a checkpoint (or a final model directory) holds.
 - convert ``--to safetensors|torch|keras``: plain single-file model weights for use without polytrain
   (``torch`` = a ``state_dict`` file for ``torch.load(weights_only=True)``; ``keras`` = a
-  ``.weights.h5`` of the Keras zoo model, built with the TensorFlow adapter's conventions).
+  ``.weights.h5`` of the Keras zoo model, built with the TensorFlow adapter's conventions). Building the
+  Keras model from the manifest's spec imports no code the manifest names (a checkpoint may come from
+  anyone): a model factory there (``model.name: package.module:function``) is refused unless the user names
+  it, with their own ``--spec`` or with ``--trust-checkpoint``; the loss, metrics, callbacks and transform
+  it names are not needed for the weights and are dropped.
 - import: a DeepSpeed ZeRO checkpoint directory (read by `polytrain.export.deepspeed_fp32_state`: the
   step named in its ``latest``, ZeRO-0 with ``weights_only=True``, ZeRO 1-3 consolidated by DeepSpeed's
   ``zero_to_fp32``) or a plain torch ``state_dict`` file becomes a polytrain checkpoint that
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +74,45 @@ def inspect(path: Path) -> str:
     return "\n".join(lines)
 
 
-def convert(path: Path, to: str, output: Path) -> Path:
+#: spec fields that name code and that a model's weights do not depend on: dropped from a manifest's spec
+_NOT_FOR_WEIGHTS = ("loss", "metrics", "callbacks", "parallel")
+
+
+def manifest_code(raw: Mapping[str, Any]) -> list[str]:
+    """The fields of a manifest's spec that building its model would import code for, as ``field 'value'``."""
+    from polytrain.user_code import is_import_path
+
+    model, data = raw.get("model") or {}, raw.get("data") or {}
+    named = [("model.name", model.get("name") if isinstance(model, Mapping) else None),
+             ("data.factory", data.get("factory") if isinstance(data, Mapping) else None)]
+    return [f"{field} {value!r}" for field, value in named if isinstance(value, str) and is_import_path(value)]
+
+
+def _keras_spec(path: Path, manifest: Mapping[str, Any], spec_path: Path | None, overrides: Sequence[str],
+                trust: bool) -> Any:
+    """The spec to build the Keras model from: the user's (``--spec``), else the manifest's without what the
+    weights do not need; code that the manifest alone names is imported only with ``trust``."""
+    from polytrain import validation
+    from polytrain.spec_files import apply_overrides, load_raw
+
+    if spec_path is not None or overrides:
+        raw = apply_overrides(load_raw(spec_path) if spec_path else {}, overrides)
+    else:
+        raw = {k: v for k, v in dict(manifest.get("spec") or {}).items() if k not in _NOT_FOR_WEIGHTS}
+        if isinstance(raw.get("data"), Mapping):
+            raw["data"] = {k: v for k, v in raw["data"].items() if k != "transform"}
+        code = manifest_code(raw)
+        if code and not trust:
+            raise UserError(f"checkpoint convert: {path}'s manifest names code to build its model ({', '.join(code)}); "
+                            f"polytrain does not import code a checkpoint names: give the spec that names it with "
+                            f"--spec SPEC, or pass --trust-checkpoint only if you trust the checkpoint's source")
+    return validation.from_dict({**raw, "framework": "tensorflow", "backend": "local"})
+
+
+def convert(path: Path, to: str, output: Path, spec_path: Path | None = None, overrides: Sequence[str] = (),
+            trust: bool = False) -> Path:
+    """Write ``path``'s model weights as one plain file. ``--to keras`` builds the model from ``spec_path``
+    (with ``overrides``) when given, else from the checkpoint's manifest (see `_keras_spec`)."""
     manifest, tensors = _load_any(path)
     model = tensors["model"]
     _check_output(output)
@@ -87,13 +129,12 @@ def convert(path: Path, to: str, output: Path) -> Path:
         torch.save({k: torch.from_numpy(np.array(v)) for k, v in model.items()}, buffer)
         _write(output, buffer.getvalue())
     elif to == "keras":
-        from polytrain import spec as spec_mod
+        spec = _keras_spec(path, manifest, spec_path, overrides, trust)  # before TensorFlow loads: a refusal is quick
         from polytrain.adapters.tensorflow.framework import TensorFlowFramework
         from polytrain.adapters.tensorflow.local import LocalBackend
         from polytrain.data import load_dataset
         from polytrain.world import World
 
-        spec = spec_mod.from_dict({**manifest["spec"], "framework": "tensorflow", "backend": "local"})
         fw = TensorFlowFramework(spec, World(), LocalBackend(spec, World()))
         fw.build(load_dataset(spec.data, spec.seed).info)
         fw.load_state(model)
@@ -159,9 +200,9 @@ def import_weights(source: Path, spec_path: Path | None, overrides: list[str], o
     """Write a polytrain checkpoint (step 0, model only) from a DeepSpeed dir or a torch state_dict file.
 
     ``tag``: the DeepSpeed step folder to read (default: the one its ``latest`` file names)."""
-    from polytrain import spec as spec_mod
+    from polytrain import validation
 
-    spec = spec_mod.load(spec_path, overrides)
+    spec = validation.load(spec_path, overrides)
     if source.is_dir():
         if not (source / "latest").is_file() and not any(source.glob("*/mp_rank_*_model_states.pt")):
             raise UserError(f"checkpoint import: {source} is not a DeepSpeed checkpoint directory "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +79,45 @@ def test_bad_paths_are_one_line_errors(tmp_path: Path, damage: str) -> None:
     proc = cli("checkpoint", "inspect", path)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "neither a polytrain checkpoint nor a model directory" in proc.stderr
+
+
+FACTORY = """
+import os
+from pathlib import Path
+
+Path(os.environ["MARKER"]).write_text("imported")
+
+
+def make(info, **params):
+    raise RuntimeError("the manifest's factory ran")
+"""
+
+
+def test_convert_runs_no_code_a_manifest_names_unless_told(run_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint from elsewhere whose manifest names ``model.name: evil_factory:make`` (a module that writes
+    a marker file when imported): ``--to keras`` imports it only with --trust-checkpoint; the user's own
+    --spec builds the model without it."""
+    (tmp_path / "evil_factory.py").write_text(FACTORY)
+    marker = tmp_path / "marker"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "MARKER": str(marker)}
+    foreign = tmp_path / "foreign"
+    shutil.copytree(find_latest(run_dir / "checkpoints"), foreign)
+    manifest = json.loads((foreign / "manifest.json").read_text())
+    manifest["spec"]["model"]["name"] = "evil_factory:make"
+    manifest["spec"]["loss"] = "evil_factory:make"
+    (foreign / "manifest.json").write_text(json.dumps(manifest))
+
+    def convert(*extra: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*CLI, "checkpoint", "convert", str(foreign), "--to", "keras", "-o",
+                               str(tmp_path / "m.weights.h5"), *map(str, extra)],
+                              capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+    proc = convert()
+    assert proc.returncode == 2 and not marker.exists()
+    [line] = proc.stderr.strip().splitlines()
+    assert "model.name 'evil_factory:make'" in line and "--spec SPEC" in line and "--trust-checkpoint" in line
+    proc = convert("--spec", SPEC)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists() and (tmp_path / "m.weights.h5").stat().st_size > 0
+    proc = convert("--trust-checkpoint")
+    assert marker.read_text() == "imported" and proc.returncode != 0  # named by the user: imported and called

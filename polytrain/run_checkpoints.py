@@ -1,0 +1,272 @@
+"""A training run's checkpoints: where the run begins (a fresh start, or the checkpoint it resumes from, its data
+checked against this run's), the checkpoints it writes, its best ones, and the final model.
+
+`RunCheckpoints` is built by the Trainer from what it needs and nothing else: the spec, the World, the two
+adapters, the run's callbacks (`polytrain.callbacks.RunHooks`), how its epochs cut into steps
+(`polytrain.trainer_state.Steps`) and what its data is (`polytrain.data.fingerprint`). `begin` decides where
+the run starts and which run it is (a resumed run goes on with its checkpoint's run id), and returns that; the
+saves record it. Every method is called on every rank: rank 0 writes, and the others learn at once whether it
+could (`polytrain.failures.settled`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from polytrain import checkpoint as ckpt
+from polytrain.callbacks import RunHooks
+from polytrain.data.fingerprint import changes
+from polytrain.environments import restart_count
+from polytrain.errors import TrainingFailure
+from polytrain.failures import library_versions, settled
+from polytrain.metrics import MetricsLog, Progress
+from polytrain.protocols import Backend, Framework
+from polytrain.spec import TrainSpec
+from polytrain.timeline import Timeline
+from polytrain.trainer_state import Position, Steps, TrainResult
+from polytrain.version import __version__
+from polytrain.watchdog import Activity
+from polytrain.world import World
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run begins (`RunCheckpoints.begin`): its first position, and its steps with the offset a resume
+    onto another number of steps per epoch brings (`Steps.offset`)."""
+
+    position: Position
+    steps: Steps
+
+
+class RunCheckpoints:
+    """One run's checkpoints under ``checkpoint.dir`` (and ``best/``), and its final model under ``output``."""
+
+    def __init__(self, spec: TrainSpec, world: World, backend: Backend, framework: Framework, hooks: RunHooks,
+                 steps: Steps, dataset: dict[str, Any] | None, *, log: MetricsLog, progress: Progress,
+                 timeline: Timeline, activity: Activity) -> None:
+        """``dataset``: rank 0's fingerprint of the run's data (None on the other ranks), recorded in every
+        checkpoint and compared with a resumed checkpoint's."""
+        self.spec, self.world, self.backend, self.framework, self.hooks = spec, world, backend, framework, hooks
+        self.steps, self.dataset = steps, dataset
+        self.log, self.progress, self.timeline, self.activity = log, progress, timeline, activity
+        #: the run this one is: whose checkpoints it may touch (a fresh run's; `begin` takes a resumed one's)
+        self.owner = ckpt.Owner(ckpt.new_run_id())
+        #: the step of the last resumable checkpoint written (not counting best/)
+        self.last_saved: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this run writes resumable checkpoints (and so leaves its final state resumable)."""
+        ck = self.spec.checkpoint
+        return bool(ck.every_n_steps or ck.every_n_epochs or ck.save_last)
+
+    # ------------------------------------------------------------------ the start
+    def begin(self, resume: str | None, *, accept_changed_data: bool = False, overwrite: bool = False) -> Start:
+        """Where this run begins: the start, or the checkpoint ``resume`` (--resume) names, its data checked
+        against this run's (``accept_changed_data``: a change starts the checkpoint's epoch over). Then, when the
+        run writes checkpoints, checkpoint.dir is claimed for it (``overwrite``: another run's checkpoints there
+        move aside, else the run is refused)."""
+        target = self._resume_target(resume)
+        pos = self._restore(target, accept_changed_data) if target else Position()
+        if self.enabled or self.hooks.best is not None:
+            settled(self.backend, self.world.size, lambda: self._claim_dir(overwrite) if self.world.rank == 0
+                    else None)
+        return Start(pos, self.steps)
+
+    def _resume_target(self, resume: str | None) -> str | None:
+        """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
+        if resume:
+            return resume
+        return "auto" if restart_count() > 0 and self.enabled else None
+
+    def _restore(self, resume: str, accept_changed_data: bool) -> Position:
+        """Load the checkpoint named by ``resume`` into the model and optimizer; return where to go on."""
+        size, global_batch = self.world.size, self.steps.global_batch
+        # rank 0 chooses, every rank reads: a failure on any rank (say, a path the others cannot see on a
+        # filesystem that is not shared) ends every rank at once with the same line
+        found = settled(self.backend, size, lambda: ckpt.resolve(resume, self.spec.checkpoint_dir)
+                        if self.world.rank == 0 else None)
+        path = self.backend.broadcast_object(str(found) if found else None)
+        if path is None:
+            self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")
+            return Position()
+        manifest, tensors = settled(self.backend, size, lambda: ckpt.load_checkpoint(Path(path)))
+        if manifest.get("model_digest") != self.spec.model_digest():
+            raise ckpt.CheckpointError(
+                f"--resume: {path} was written by a different model/data/seed (model digest "
+                f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()}); resume it with the "
+                f"spec that wrote it (saved in its manifest.json), or start without --resume")
+        run_id = manifest.get(ckpt.RUN_KEY)  # the same run goes on; before run ids: its checkpoints of this model
+        self.owner = ckpt.Owner(run_id) if run_id else ckpt.Owner(self.owner.run_id, self.spec.model_digest())
+        # rank 0's verdict (its files are the ones it recorded), the same on every rank
+        changed = self.backend.broadcast_object(settled(self.backend, size, lambda: self._data_changes(
+            path, manifest, accept_changed_data) if self.world.rank == 0 else None))
+        if manifest.get("global_batch", global_batch) != global_batch and manifest.get("step_in_epoch") \
+                and changed is None:  # a changed dataset's epoch starts over: no position inside it to keep
+            raise ckpt.CheckpointError(
+                f"--resume: {path} stopped mid-epoch with a global batch of {manifest['global_batch']}, "
+                f"this run's is {global_batch}; set data.global_batch_size={manifest['global_batch']}")
+        self.framework.load_state(tensors["model"])
+        self.framework.load_optimizer_state(tensors.get("optimizer", {}))
+        same_rng = manifest.get("framework") == self.spec.framework and manifest["world_size"] == self.world.size
+        if manifest.get("loss_scaler"):
+            self.framework.load_loss_scaler_state(manifest["loss_scaler"])
+        if self.hooks.early_stopping is not None:
+            self.hooks.early_stopping.load(manifest.get("early_stopping"))
+        if same_rng and len(manifest.get("rng_states", [])) == self.world.size:  # another framework's RNG: skip
+            self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
+        pos = Position(manifest["global_step"], manifest["epoch"], 0 if changed else manifest["step_in_epoch"])
+        self.steps = replace(self.steps, offset=pos.step - pos.epoch * self.steps.per_epoch - pos.step_in_epoch)
+        self.progress.line(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "
+                           f"step {pos.step_in_epoch} of the epoch)")
+        if changed is not None:
+            self.progress.line(f"the data changed since that checkpoint ({changed}); --accept-changed-data: "
+                               f"epoch {pos.epoch + 1} starts over on this data")
+            self.log.write("data_changed", step=pos.step, epoch=pos.epoch, changes=changed)
+        self.log.write("resume", step=pos.step, path=str(path))
+        return pos
+
+    def _data_changes(self, path: str, manifest: dict[str, Any], accept_changed_data: bool) -> str | None:
+        """Rank 0: None when the checkpoint's data is this run's (or it recorded none: older polytrain); what
+        changed when --accept-changed-data allows it; else a one-line refusal."""
+        recorded = manifest.get("dataset")
+        if not isinstance(recorded, dict) or self.dataset is None:
+            return None
+        what = changes(recorded, self.dataset)
+        if what is None or accept_changed_data:
+            return what
+        epoch = int(manifest.get("epoch", 0)) + 1
+        raise ckpt.CheckpointError(
+            f"--resume: the data changed since {path} was written ({what}); its position would repeat or skip "
+            f"samples: resume with the data it was trained on, or pass --accept-changed-data to start epoch "
+            f"{epoch} over on this data")
+
+    def _claim_dir(self, overwrite: bool) -> None:
+        """Rank 0, before the first save: checkpoint.dir (and its best/) must hold no other run's checkpoints,
+        which this run's saves would replace or prune; --overwrite-checkpoints moves them aside. Then the best
+        checkpoints' index is taken up if it is this run's."""
+        self._set_aside_other_runs(overwrite)
+        if self.hooks.best is not None:
+            self.hooks.best.start(self.owner)
+
+    def _set_aside_other_runs(self, overwrite: bool) -> None:
+        root = self.spec.checkpoint_dir
+        theirs = [*ckpt.foreign_checkpoints(root, self.owner), *ckpt.foreign_checkpoints(root / "best", self.owner)]
+        if not theirs:
+            return
+        names = ", ".join(str(p.relative_to(root)) for p in theirs[:3]) + (
+            f" and {len(theirs) - 3} more" if len(theirs) > 3 else "")
+        if not overwrite:
+            raise ckpt.CheckpointError(
+                f"checkpoint.dir: {root} holds checkpoints of another run ({names}; written by "
+                f"{ckpt.run_of(theirs[-1])}), which this run would replace or prune: resume that run with --resume "
+                f"auto, set another output or checkpoint.dir, or pass --overwrite-checkpoints to move them into "
+                f"{root}/superseded-…/ (nothing is deleted)")
+        index = root / "best" / "index.json"
+        if any(p.parent.name == "best" for p in theirs) and index.is_file():
+            theirs.append(index)  # their ranking goes with their best checkpoints
+        for latest in (root / "latest", root / "best" / "latest"):
+            if latest.is_file() and latest.parent / latest.read_text().strip() in theirs:
+                theirs.append(latest)
+        aside = ckpt.move_aside(root, theirs, "superseded")
+        self.progress.line(f"--overwrite-checkpoints: the checkpoints of another run in {root} moved into {aside}")
+        self.log.write("checkpoints_superseded", moved=[str(p.relative_to(root)) for p in theirs], into=str(aside))
+
+    # ------------------------------------------------------------------ saves
+    def save(self, pos: Position, root: Path | None = None) -> Path:
+        """A resumable checkpoint of ``pos`` under checkpoint.dir (or ``root``, the best checkpoints'); every rank
+        takes part, the callbacks hear of it. Returns the directory (the same path on every rank)."""
+        with self.timeline.span("checkpoint", "checkpoint", step=pos.step):
+            path = self._write(pos, root)
+        self.hooks.callbacks.call("on_checkpoint", pos.step, path)
+        return path
+
+    def save_best(self, pos: Position, record: dict[str, Any]) -> None:
+        """After a validation: a checkpoint under ``best/`` when the monitored value is among the top k."""
+        best = self.hooks.best
+        if best is None:
+            return
+        value = float(record[best.monitor])
+        if not self.backend.broadcast_object(best.wants(value) if self.world.rank == 0 else None):
+            return
+        path = self.save(pos, best.root)
+        if self.world.rank == 0:
+            best.keep(path, pos.step, record["epoch"], value)
+            self.log.write("best_checkpoint", step=pos.step, monitor=best.monitor, value=value, path=str(path))
+
+    def _write(self, pos: Position, best_root: Path | None = None) -> Path:
+        """Every rank takes part (state gathering is collective); rank 0 writes."""
+        self.activity.set(f"the checkpoint at step {pos.step}")
+        model = self.framework.export_state()
+        optimizer = self.framework.export_optimizer_state()
+        rng = self.backend.all_gather_object(self.framework.rng_state())
+        root = best_root or self.spec.checkpoint_dir
+        if best_root is None:
+            self.last_saved = pos.step
+        # rank 0 writes; every rank learns at once whether it could (a full disk is not a timeout elsewhere)
+        settled(self.backend, self.world.size,
+                lambda: self._write_files(pos, root, best_root, model, optimizer, rng) if self.world.rank == 0
+                else None)
+        return root / ckpt.step_dir_name(pos.step)
+
+    def _write_files(self, pos: Position, root: Path, best_root: Path | None, model: dict[str, Any],
+                     optimizer: dict[str, Any], rng: list[Any]) -> Path:
+        steps = self.steps
+        manifest = {
+            **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
+            "samples_in_epoch": min(pos.step_in_epoch * steps.global_batch, steps.per_epoch * steps.global_batch),
+            "global_batch": steps.global_batch, "rng_states": rng,
+            # the learning rate is a function of the step (polytrain.schedule); recorded for readers
+            "lr": steps.lr(max(pos.step - 1, 0), self.spec),
+            "loss_scaler": self.framework.loss_scaler_state(),
+            "early_stopping": self.hooks.early_stopping.state() if self.hooks.early_stopping is not None else None,
+            "dataset": self.dataset,
+        }
+        try:
+            path = ckpt.save_checkpoint(root, pos.step, {"model": model, "optimizer": optimizer}, manifest,
+                                        keep_last=None if best_root else self.spec.checkpoint.keep_last,
+                                        owner=self.owner)
+        except OSError as exc:  # disk full, file too large, read-only or missing directory
+            kept = ckpt.complete_checkpoints(root)
+            previous = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint exists"
+            raise TrainingFailure(
+                f"checkpoint.dir: cannot write the checkpoint of step {pos.step} under {root} "
+                f"({exc.strerror or exc}); {previous}; free space or choose another checkpoint.dir, then "
+                "resume with --resume auto") from exc
+        self.log.write("checkpoint", step=pos.step, path=str(path))
+        return path
+
+    def _describe(self) -> dict[str, Any]:
+        return {
+            "polytrain": __version__, "spec": self.spec.to_dict(), "spec_digest": self.spec.digest(),
+            "model_digest": self.spec.model_digest(), ckpt.RUN_KEY: self.owner.run_id,
+            "framework": self.spec.framework,
+            "backend": self.backend.name, "world_size": self.world.size, "versions": library_versions(),
+        }
+
+    # ------------------------------------------------------------------ the final model
+    def save_model(self, result: TrainResult) -> dict[str, Any]:
+        """Write the final model (rank 0); returns its full state, which every rank has."""
+        state = self.framework.export_state()  # collective on sharded backends: every rank calls it
+        digests = self.backend.all_gather_object(ckpt.state_digest(state))
+        settled(self.backend, self.world.size, lambda: self._write_model(result, state, digests)
+                if self.world.rank == 0 else None)
+        return state
+
+    def _write_model(self, result: TrainResult, state: dict[str, Any], digests: list[str]) -> None:
+        manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
+                    "val_accuracy": result.val_accuracy,
+                    "val_loss": None if math.isnan(result.val_loss) else result.val_loss, "rank_state_digests": digests}
+        try:
+            ckpt.write_model(Path(self.spec.output), state, manifest)
+        except OSError as exc:
+            raise TrainingFailure(f"output: cannot write the trained model to {self.spec.output} "
+                                  f"({exc.strerror or exc}); free space or choose another output directory") from exc
+        if result.val_accuracy is not None:
+            self.progress.line(f"validation accuracy: {result.val_accuracy:.4f}")
+        elif not math.isnan(result.val_loss):
+            self.progress.line(f"validation loss: {result.val_loss:.6f}")
+        self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")
