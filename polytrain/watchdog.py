@@ -86,8 +86,9 @@ class StoreBoard:
 
 def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> StoreBoard | None:
     """A `StoreBoard` for backends without a store of their own (MPI, TensorFlow's): rank 0 hosts a
-    TCPStore on a free port — on loopback when every rank is on this host — and sends its address
-    with the backend's own ``broadcast_object``. Collective: every rank calls it. None without torch
+    TCPStore on a free port — on loopback when every rank is on this host, else on the address the other
+    hosts reach (`polytrain.net.board_address`), never every interface — and sends its address with the
+    backend's own ``broadcast_object``. Collective: every rank calls it. None without torch
     (the stall warning then names no ranks).
 
     The ranks post their progress there from the watchdog's thread, so a rank waiting inside a
@@ -99,15 +100,16 @@ def hosted_store_board(world: Any, broadcast_object: Callable[[Any], Any]) -> St
         return None
     import datetime
 
-    from polytrain.net import listening_socket, route_address
+    from polytrain.net import board_address, listening_socket
 
     timeout = datetime.timedelta(seconds=3)
     endpoint, listener = None, None
     if world.rank == 0:
         try:
-            host = "127.0.0.1" if world.local_size == world.size else route_address(world.master_addr)
-            listener = listening_socket(host, 0, max(128, world.size))
-            endpoint = (host, listener.getsockname()[1])
+            host = "127.0.0.1" if world.local_size == world.size else board_address(world.master_addr)
+            if host is not None:
+                listener = listening_socket(host, 0, max(128, world.size))
+                endpoint = (host, listener.getsockname()[1])
         except OSError:  # no address to offer: every rank goes on without a board
             endpoint, listener = None, None
     endpoint = broadcast_object(endpoint)
@@ -169,6 +171,12 @@ class StallWatchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        """`stop`, then let go of the side channel: its store client, or on rank 0 of a backend without a store
+        of its own the store it hosts (whose server thread ends with it)."""
+        self.stop()
+        self.board = None
 
     def _run(self) -> None:
         while True:

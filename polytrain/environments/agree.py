@@ -44,6 +44,16 @@ def ensure_master(world: World) -> World:
     return _agree_over_mpi(world)
 
 
+def _port_at(addr: str) -> int:
+    """A port free at ``addr``, the address rank 0's store will listen on; where this host cannot bind it
+    (a MASTER_ADDR naming another host, or a name for this one that resolves elsewhere), a port free on
+    every interface. The probe closes at once: nothing stays listening."""
+    try:
+        return free_port(addr)
+    except OSError:
+        return free_port("")
+
+
 def _agree_over_mpi(world: World, strict: bool = True) -> World:
     """``strict``: an mpi4py that sees another world than the launcher's (built for another MPI) is an
     error; otherwise ``world`` is returned as it is."""
@@ -64,7 +74,7 @@ def _agree_over_mpi(world: World, strict: bool = True) -> World:
     if world.rank == 0:
         try:
             addr = world.master_addr or address_for_peers(hosts)
-            port = world.master_port or free_port("127.0.0.1" if addr == "127.0.0.1" else "0.0.0.0")
+            port = world.master_port or _port_at(addr)
             choice = ("ok", addr, port)
         except OSError as exc:  # tell the other ranks instead of leaving them in bcast
             choice = ("error", f"rank 0 could not pick a master address/port: {exc}", 0)

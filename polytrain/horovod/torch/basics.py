@@ -119,6 +119,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
             keep_gloo_on_loopback(world.master_addr)
             store = rendezvous_store(world, dist.constants.default_pg_timeout)
+        from polytrain.adapters.torch.backend import import_before_group
+
+        import_before_group()  # else a group made now could never end (see there)
         # Keys of one start never meet those of an earlier one: torchrun keeps its store across
         # restarts, and elastic.run re-initialises in the same process.
         store = dist.PrefixStore(f"polytrain-hvd/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_init_count}", store)
@@ -171,23 +174,10 @@ def shutdown() -> None:
     if state.mpi is not None and not state.broken:
         state.mpi.close()
     if state.owns_group and dist.is_initialized() and not state.broken:
+        # Nothing of the shim holds the group after this, so it ends here (its gloo threads joined) while the
+        # interpreter is whole: a gloo thread left running into finalisation aborts the process when it next
+        # needs the GIL ("terminate called without an active exception").
         dist.destroy_process_group()
-        _release_process_group()
-
-
-def _release_process_group() -> None:
-    """Let the process group's worker threads end while the interpreter can still serve them.
-
-    A gloo worker thread releases each finished collective after the caller has seen it complete;
-    if that release drops the last reference to a tensor created in Python it needs the GIL, and
-    once the interpreter is finalizing it cannot get it and aborts the process ("terminate called
-    without an active exception"). When nothing else holds the group, collecting it here joins its
-    threads. When something does (e.g. a DDP model the script keeps), they get a moment to finish.
-    """
-    import gc
-
-    gc.collect()
-    time.sleep(0.05)
 
 
 @atexit.register

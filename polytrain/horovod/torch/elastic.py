@@ -7,9 +7,10 @@ re-initialised group. The shim also survives restarts of the whole job driven by
 ``$POLYTRAIN_HOROVOD_ELASTIC_DIR/state.safetensors`` (default ``<tmp>/polytrain-elastic-<uid>-<job key>``,
 the key made from torchrun's run id and master port), and a restarted job's ``run``
 restores from it before syncing every rank from rank 0. A first start ignores the file.
-The file holds tensors and JSON, never pickle, in a directory private to the user
-(`polytrain.horovod.torch.elastic_store`): committed plain values must be numbers, strings,
-None, tensors, numpy arrays, or lists/tuples/dicts of them.
+The file holds tensors and JSON, never pickle, in a directory private to the user, in the one
+format both frameworks write (`polytrain.horovod.common.elastic_files`; `TorchTensors` is how torch
+tensors are stored in it): committed plain values must be numbers, strings, None, tensors, numpy
+arrays, or lists/tuples/dicts of them.
 Scaling the number of workers without a restart (horovodrun's host discovery) is not
 supported by the shim. This is the shim's module: with real Horovod, ``hvd.elastic`` is
 ``horovod.torch.elastic``.
@@ -25,18 +26,66 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import safetensors.torch
 import torch
 
-from polytrain.horovod.common import HorovodInternalError
+from polytrain.horovod.common import HorovodInternalError, elastic_files
+from polytrain.horovod.common.elastic_files import STATE_DIR_VARIABLE, state_dir
 from polytrain.horovod.common.elastic_state import ObjectStateBase
 from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import barrier
-from polytrain.horovod.torch.elastic_store import STATE_DIR_VARIABLE, read_state, state_dir, write_state
 from polytrain.horovod.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+
+
+class TorchTensors(elastic_files.Tensors):
+    """A commit's tensors as torch tensors: a snapshot's own tensors come back on their device, numpy values as
+    numpy (stored as tensors of their dtype)."""
+
+    kinds = "tensors, numpy arrays"
+
+    def own(self, value: Any, where: str) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        if value.layout != torch.strided:
+            raise TypeError(f"hvd.elastic: cannot persist {where}: a {value.layout} tensor (only dense tensors)")
+        return value.detach().to("cpu").contiguous().clone(), {"device": str(value.device)}
+
+    def from_numpy(self, array: np.ndarray, where: str) -> torch.Tensor:
+        try:
+            return torch.from_numpy(array)
+        except TypeError:  # object, string and other dtypes torch has no tensor for
+            raise TypeError(f"hvd.elastic: cannot persist {where}: a numpy {array.dtype} value has no tensor "
+                            f"dtype") from None
+
+    def to_numpy(self, stored: torch.Tensor) -> np.ndarray:
+        return stored.numpy()
+
+    def tensor(self, stored: torch.Tensor, entry: dict[str, Any]) -> torch.Tensor:
+        return stored if entry["device"] == "cpu" else stored.to(entry["device"])
+
+    def save(self, stored: dict[str, Any], metadata: dict[str, str]) -> bytes:
+        return safetensors.torch.save(stored, metadata=metadata)
+
+    def load(self, data: bytes) -> dict[str, Any]:
+        return safetensors.torch.load(data)
+
+
+TORCH = TorchTensors()
+
+
+def write_state(directory: Path, snapshot: Any) -> Path:
+    """Save ``snapshot`` atomically as ``directory/state.safetensors``; the directory is made private."""
+    return elastic_files.write_state(directory, snapshot, TORCH)
+
+
+def read_state(directory: Path) -> Any | None:
+    """The snapshot saved in ``directory`` (checked private first), or None if there is none."""
+    return elastic_files.read_state(directory, TORCH)
 
 
 class ObjectState(ObjectStateBase):
@@ -185,4 +234,5 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-__all__ = ["STATE_DIR_VARIABLE", "ElasticSampler", "ObjectState", "TorchState", "run", "state_dir"]
+__all__ = ["STATE_DIR_VARIABLE", "ElasticSampler", "ObjectState", "TorchState", "TorchTensors", "read_state", "run",
+           "state_dir", "write_state"]

@@ -152,8 +152,7 @@ def test_a_first_start_ignores_the_commit(restarted_job: tuple[str, str], monkey
 def test_model_optimizer_and_plain_values_round_trip_without_pickle(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from polytrain.horovod.torch.elastic_store import read_state, write_state
-
+    read_state, write_state = elastic.read_state, elastic.write_state
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))

@@ -1,0 +1,89 @@
+"""Where the ranks of a PyTorch job meet: the rendezvous store (scoped to this restart of the job), what the
+start-up line says about where it listens, and one-line errors when the ranks do not meet."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+
+import torch.distributed as dist
+
+from polytrain.environments import restart_count
+from polytrain.net import listening_socket, store_bind
+from polytrain.world import World
+
+
+def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
+    """The TCPStore the process group meets in, with keys scoped to this (re)start of the job.
+
+    Under torchrun the elastic agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``) and keeps it
+    across worker restarts; without a per-restart prefix, restarted workers would read the dead
+    workers' addresses. Elsewhere rank 0 hosts it at the World's master address and port, listening only
+    on the address the master names here (`polytrain.net.store_bind`; TCPStore alone would listen on every
+    interface).
+    """
+    hosting = world.rank == 0 and not uses_agent_store()
+    listen_fd = None
+    bind = store_bind(str(world.master_addr), world.local_size == world.size).address if hosting else None
+    if bind is not None:
+        listen_fd = listening_socket(bind, int(world.master_port), max(128, world.size)).fileno()
+    store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size, is_master=hosting,
+                          timeout=timeout, master_listen_fd=listen_fd)
+    return dist.PrefixStore(store_prefix(), store)
+
+
+def uses_agent_store() -> bool:
+    """Under torchrun the elastic agent hosts the rendezvous store, not rank 0."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def listen_address(world: World) -> str:
+    """Where this job's rendezvous store listens (for the start-up log)."""
+    if uses_agent_store():
+        return (f"{world.master_addr}:{world.master_port}, torchrun's agent store (torchrun binds it to every "
+                f"interface; polytrain does not control it)")
+    bind = store_bind(str(world.master_addr), world.local_size == world.size)
+    where = f"{bind.address}:{world.master_port}" if bind.address else f"all interfaces, port {world.master_port}"
+    return f"{where} ({bind.why})"
+
+
+def rendezvous_error(exc: BaseException, world: World, timeout_s: float) -> Exception:
+    """One line saying why the ranks did not meet at the master, and what to check."""
+    from polytrain.errors import RendezvousError
+
+    where = f"{world.master_addr}:{world.master_port}"
+    text = str(exc)
+    if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        return RendezvousError(
+            f"rendezvous: rank {world.rank} cannot listen on MASTER_PORT {world.master_port} at {world.master_addr}: "
+            "the port is in use by another process; choose another MASTER_PORT (polytrain launch picks a free one)")
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return RendezvousError(
+            f"rendezvous: only {joined.group(1)} of {joined.group(2)} ranks reached the master {where} within "
+            f"{timeout_s:g} s (reliability.startup_timeout_s); check that every rank was started and that they agree "
+            f"on the world size (-np / WORLD_SIZE={world.size})")
+    if "timed out" in text.lower() or "connect" in text.lower():
+        return RendezvousError(
+            f"rendezvous: rank {world.rank} cannot reach the master at {where} within {timeout_s:g} s "
+            "(reliability.startup_timeout_s); check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that "
+            "the port is open between the hosts")
+    return RendezvousError(f"rendezvous at {where} failed: {text.strip().splitlines()[0][:200]}")
+
+
+def import_before_group() -> None:
+    """Import ``torch.distributed.nn`` while no process group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated once, when the module is first
+    imported. DDP's constructor imports it (through ``torch.distributed._shard``): imported while our group
+    exists, those defaults hold that group for the life of the interpreter, `dist.destroy_process_group` only
+    forgets it, and its gloo threads and TCPStore server run on into interpreter finalisation — where a gloo
+    thread releasing a tensor aborts the process (SIGABRT after a finished run). Imported first, they hold None.
+    """
+    import torch.distributed.nn  # noqa: F401
+
+
+def store_prefix() -> str:
+    """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
+    return f"polytrain/restart_{restart_count()}"
