@@ -5,21 +5,22 @@ into a 3-D grid of ``P × D × T`` ranks, ``D = world_size / (T × P)`` (``data:
 torchtitan and Megatron-LM use: **tensor parallel is innermost** — a tensor-parallel group is ``T``
 consecutive ranks, which launchers place on one node, so its many per-layer collectives stay on the
 fastest link — then data, then pipeline stages outermost (stage ``s`` holds ranks
-``s·D·T … (s+1)·D·T − 1``). The data dimension is the spec's backend (``ddp`` or ``fsdp``); the
-other backends do not combine with ``T`` or ``P`` > 1.
+``s·D·T … (s+1)·D·T − 1``). The data dimension is the spec's backend, one whose registry row names a
+``layout`` (``ddp`` or ``fsdp``); the other backends do not combine with ``T`` or ``P`` > 1.
 
 Everything here is pure (no torch): the spec's table, its rules, and a rank's place in the grid.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from polytrain.errors import SpecError
 from polytrain.schema import rule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-DATA_BACKENDS = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ class ParallelSpec:
         return self.microbatches or self.pipeline
 
 
-def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_size: int | None) -> None:
-    """The rules of the ``parallel`` table that need no World (one line each, naming the field)."""
+def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, data_backends: Sequence[str],
+               batch_size: int | None) -> None:
+    """The rules of the ``parallel`` table that need no World (one line each, naming the field). ``data_backends``:
+    the backends that can be a layout's data dimension (`polytrain.registry.layout_backends`)."""
     if isinstance(parallel.data, str) and parallel.data != "auto":
         raise SpecError(f"parallel.data: expected auto or a positive integer, got {parallel.data!r}")
     if not isinstance(parallel.data, str) and parallel.data < 1:
@@ -79,9 +82,9 @@ def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_si
         raise SpecError(f"{which}: tensor and pipeline parallel are PyTorch-only here (built on torch's DeviceMesh, "
                         f"DTensor and torch.distributed.pipelining; TensorFlow has no maintained equivalent); "
                         f"use framework 'torch' or set {which}: 1")
-    if backend not in (*DATA_BACKENDS, "auto"):
-        raise SpecError(f"{which}: combines with backend ddp or fsdp (the data-parallel dimension), not "
-                        f"{backend!r}")
+    if backend not in (*data_backends, "auto"):
+        raise SpecError(f"{which}: combines with backend {' or '.join(data_backends)} (the data-parallel "
+                        f"dimension), not {backend!r}")
     if parallel.chunks > 1 and parallel.schedule != "interleaved_1f1b":
         raise SpecError(f"parallel.stages_per_rank: more than one model chunk per rank needs schedule "
                         f"interleaved_1f1b, not {parallel.schedule!r}")
@@ -98,6 +101,51 @@ def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, batch_si
                             f"index where each stage after the first starts), got {len(boundaries)}")
         if any(b <= a for a, b in zip((0, *boundaries), boundaries)):
             raise SpecError(f"parallel.stage_boundaries: must increase and start above 0, got {list(boundaries)}")
+
+
+def check_model(parallel: ParallelSpec, name: str, params: Mapping[str, Any]) -> None:
+    """What a zoo model's parameters already say about the layout: its blocks, its tensor-parallel plan.
+
+    A factory's model is known only when built: the same lines come from `check_blocks`, `no_tensor_plan`
+    and `cannot_pipeline` then, on every rank alike."""
+    from polytrain import zoo
+
+    if not parallel.model_parallel or name not in zoo.ZOO:
+        return
+    params_obj = zoo.model_params(name, params)
+    if isinstance(params_obj, zoo.TransformerParams):
+        check_transformer(parallel, params_obj.n_heads, params_obj.d_ff or 4 * params_obj.d_model,
+                          params_obj.tie_weights)
+        check_blocks(parallel, params_obj.n_layers, "model.params.n_layers")
+        return
+    if parallel.tensor > 1 and parallel.tensor_plan is None:
+        raise no_tensor_plan(repr(name))
+    if parallel.pipeline > 1:
+        raise cannot_pipeline(repr(name))
+
+
+def check_blocks(parallel: ParallelSpec, blocks: int, source: str) -> None:
+    """Pipeline stages against the model's ``blocks`` (``source`` says where that number comes from)."""
+    stages = parallel.pipeline * parallel.chunks
+    if stages > blocks:
+        per_rank = f" ({parallel.pipeline} × {parallel.chunks} per rank)" if parallel.chunks > 1 else ""
+        raise SpecError(f"parallel.pipeline: {stages} stages{per_rank} need at least {stages} blocks; the model "
+                        f"declares {blocks} ({source}); use fewer stages or a deeper model")
+    boundaries = parallel.stage_boundaries
+    if boundaries is not None and boundaries[-1] >= blocks:
+        raise SpecError(f"parallel.stage_boundaries: {list(boundaries)} cut past the model's {blocks} blocks "
+                        f"({source}); each boundary must be below {blocks}")
+
+
+def no_tensor_plan(model: str) -> SpecError:
+    return SpecError(f"parallel.tensor: model {model} has no tensor-parallel plan built in; give "
+                     "parallel.tensor_plan: package.module:function returning its parallelize_module plan")
+
+
+def cannot_pipeline(model: str) -> SpecError:
+    return SpecError(f"parallel.pipeline: model {model} cannot be cut into stages: it needs block_classes and the "
+                     "methods embed(x) (before the first block) and finish(h) (after the last); use model "
+                     "'transformer' or such a factory")
 
 
 def check_transformer(parallel: ParallelSpec, n_heads: int, d_ff: int, tied: bool) -> None:

@@ -46,6 +46,23 @@ def check_names(loss: str | None, metrics: Sequence[str] | None) -> None:
                             "or package.module:function returning one value per sample)")
     if metrics is not None and len(set(metrics)) != len(metrics):
         raise SpecError(f"metrics: each metric may appear once, got {list(metrics)}")
+    _check_keys(metrics or ())
+
+
+def _check_keys(metrics: Sequence[str]) -> None:
+    """Two metrics logged under one key (``accuracy`` and ``pkg.mod:accuracy``) would replace each other's
+    values in every log, and a metric named ``loss`` the validation loss's."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(metrics):
+        key = metric_key(name)
+        if key == "loss":
+            raise SpecError(f"metrics[{i}]: {name!r} would be logged as val_loss, the validation loss's key; "
+                            "give the function another name")
+        if key in seen:
+            j = seen[key]
+            raise SpecError(f"metrics[{i}]: {name!r} would be logged as val_{key}, like metrics[{j}] "
+                            f"{metrics[j]!r}; give each metric function its own name")
+        seen[key] = i
 
 
 def resolve_loss(name: str, built_in: Mapping[str, F], checked: Callable[[Any, str, str], F], live: Any = None) -> F:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    from polytrain.data.source import DatasetInfo
     from polytrain.spec import TrainSpec
     from polytrain.timeline import Timeline
     from polytrain.watchdog import Activity, PeerBoard
@@ -32,14 +33,6 @@ class UserCode:
 
 
 @dataclass(frozen=True)
-class DatasetInfo:
-    input_shape: tuple[int, ...]  # one sample, e.g. (64,) for digits
-    num_outputs: int  # classes, or 1 for regression
-    task: str  # "classification" | "regression" | "next_token"
-    image_shape: tuple[int, int, int] | None = None  # (channels, height, width) when samples are images
-
-
-@dataclass(frozen=True)
 class DataShard:
     """Which part of the data a rank reads. Data-parallel backends: one shard per rank. Model-parallel
     layouts (`polytrain.layout`): the ranks of one tensor/pipeline group read the same shard, and only one
@@ -48,12 +41,6 @@ class DataShard:
     count: int  # the number of different shards (the data-parallel degree)
     index: int  # this rank's
     reports: bool = True
-
-
-def data_shard_of(backend: Any, world: World) -> DataShard:
-    """The backend's `DataShard` (its ``data_shard`` attribute), or one shard per rank."""
-    shard = getattr(backend, "data_shard", None)
-    return shard if isinstance(shard, DataShard) else DataShard(world.size, world.rank)
 
 
 class Backend(Protocol):
@@ -66,6 +53,9 @@ class Backend(Protocol):
     timeline: Timeline
     #: what the Trainer is doing now, for the stall watchdog (None outside a Trainer); set at creation
     activity: Activity | None
+    #: which part of the data this rank reads: one shard per rank (the base classes' default), or a model-parallel
+    #: layout's data dimension; set at creation
+    data_shard: DataShard
 
     @property
     def label(self) -> str:
@@ -156,6 +146,12 @@ class Framework(Protocol):
         ...
 
     def set_rng_state(self, state: list[int]) -> None: ...
+
+    def release(self, state: Mapping[str, np.ndarray] | None = None) -> Any:
+        """Let go of everything bound to the job (wrapped model, optimizer); return the trained model as a plain
+        object that outlives the job, filled from ``state`` (`export_state`) where needed, or None. Called when
+        `fit` ends, before the backend's teardown; a second call returns None."""
+        ...
 
 
 class BackendFactory(Protocol):

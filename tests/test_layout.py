@@ -6,17 +6,21 @@ import subprocess
 import sys
 
 import pytest
+from specs import lm
 
 from polytrain import spec as spec_mod
+from polytrain import validation
 from polytrain.errors import SpecError
 from polytrain.layout import ParallelSpec, balanced_boundaries, grid_for
 
-LM = {"model": {"name": "transformer", "params": {"n_heads": 4, "d_model": 32, "tie_weights": False}},
-      "data": {"name": "tokens", "batch_size": 8}}
+LM = lm(tokens=None, data={"batch_size": 8}, tie_weights=False)  # the tiny LM, untied; its data is never loaded
+
+
+MLP = {"model": {"name": "mlp"}, "data": {"name": "digits", "batch_size": 8}}
 
 
 def spec_with(parallel: dict, **top: object) -> spec_mod.TrainSpec:
-    return spec_mod.from_dict({**LM, "backend": "ddp", "parallel": parallel, **top})
+    return validation.from_dict({**LM, "backend": "ddp", "parallel": parallel, **top})
 
 
 def test_grid_puts_tensor_innermost_then_data_then_pipeline() -> None:
@@ -63,12 +67,51 @@ def test_balanced_boundaries_follow_parameter_counts() -> None:
     ({"pipeline": 2, "stages_per_rank": 2}, {}, "parallel.stages_per_rank: more than one model chunk per rank "
                                                 "needs schedule interleaved_1f1b"),
     ({"data": "most"}, {}, "parallel.data: expected auto or a positive integer"),
+    # issue 26 item 7: a zoo model's blocks and plan are known from its parameters, before anything starts
+    ({"pipeline": 4}, {}, "parallel.pipeline: 4 stages need at least 4 blocks; the model declares 2 "
+                          "(model.params.n_layers)"),
+    ({"pipeline": 2, "schedule": "interleaved_1f1b"}, {}, "parallel.pipeline: 4 stages (2 × 2 per rank) need at "
+                                                          "least 4 blocks; the model declares 2"),
+    ({"pipeline": 2, "stage_boundaries": [2]}, {}, "parallel.stage_boundaries: [2] cut past the model's 2 blocks "
+                                                   "(model.params.n_layers); each boundary must be below 2"),
+    ({"tensor": 2}, MLP, "parallel.tensor: model 'mlp' has no tensor-parallel plan built in; give "
+                         "parallel.tensor_plan"),
+    ({"pipeline": 2}, {**MLP, "model": {"name": "convnet"}}, "parallel.pipeline: model 'convnet' cannot be cut into "
+                                                             "stages: it needs block_classes"),
 ])
 def test_bad_layouts_are_one_line_errors(parallel: dict, top: dict, message: str) -> None:
     with pytest.raises(SpecError) as caught:
         spec_with(parallel, **top)
     assert str(caught.value).startswith(message), str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_a_zoo_model_that_fits_the_layout_is_accepted() -> None:
+    deep = {"name": "transformer", "params": {"n_heads": 4, "d_model": 32, "n_layers": 4, "tie_weights": False}}
+    assert spec_with({"pipeline": 2, "schedule": "interleaved_1f1b"}, model=deep).parallel.chunks == 2
+    assert spec_with({"pipeline": 2, "stage_boundaries": [3]}, model=deep).parallel.stage_boundaries == (3,)
+    assert spec_with({"pipeline": 2}).parallel.pipeline == 2  # 2 stages, 2 blocks
+    # a plan of its own makes any model splittable; a factory's blocks are counted when it is built
+    assert spec_with({"tensor": 2, "tensor_plan": "plans:mlp_plan"}, **MLP).parallel.tensor == 2
+
+
+@pytest.mark.parametrize(("sharding", "local_size", "shape"), [
+    ("full_shard", 8, (1, 2)), ("shard_grad_op", 8, (1, 2)), ("no_shard", 8, (2, 1)),
+    ("hybrid_shard", 8, (1, 2)),  # one node of 8 holds both stages: each data group on one node
+    ("hybrid_shard", 4, (1, 2)),  # a node per stage
+    ("hybrid_shard", 2, (2, 1)),  # a node per tensor group: the data ranks replicate across nodes
+])
+def test_the_fsdp_table_on_the_data_dimension(sharding: str, local_size: int, shape: tuple[int, int]) -> None:
+    """(replicate, shard) of the data dimension of a 2 × 2 × 2 grid on nodes of ``local_size`` processes."""
+    pytest.importorskip("torch")
+    from polytrain.adapters.torch.fsdp import data_mesh_shape
+
+    assert data_mesh_shape(sharding, (2, 2, 2), 8 // local_size, local_size) == shape
+    assert data_mesh_shape("hybrid_shard", (1, 4, 2), 2, 4) == (2, 2)  # shard within a node, replicate across
+    with pytest.raises(SpecError, match=r"^fsdp.sharding: hybrid_shard needs each node to hold whole tensor groups"):
+        data_mesh_shape("hybrid_shard", (1, 3, 2), 2, 3)  # a tensor group would span two nodes
+    with pytest.raises(SpecError, match=r"^fsdp.sharding: hybrid_shard needs the same number of processes"):
+        data_mesh_shape("hybrid_shard", (1, 3, 2), 4, 2)
 
 
 def test_parallel_is_part_of_the_spec_digest_but_not_of_the_model_digest() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from polytrain.protocols import DataShard
 from polytrain.spec import TrainSpec
 from polytrain.timeline import COLLECTIVES, NULL, Timeline
 from polytrain.watchdog import Activity, PeerBoard
@@ -47,6 +48,7 @@ class TFBackend:
         self.world = world
         self.timeline = timeline
         self.activity = activity
+        self.data_shard = DataShard(world.size, world.rank)  # one shard per rank (no model-parallel layouts here)
         self.device = "/CPU:0"
 
     @property

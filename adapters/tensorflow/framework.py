@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import keras
 import numpy as np
@@ -36,9 +37,11 @@ from polytrain.adapters.tensorflow.models import (
 )
 from polytrain.adapters.tensorflow.objectives import evaluation, loss_fn, metric_fns
 from polytrain.adapters.tensorflow.optimizers import make_optimizer
+from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError, UserError
-from polytrain.protocols import DatasetInfo, UserCode
+from polytrain.protocols import UserCode
 from polytrain.spec import TrainSpec
+from polytrain.user_code import UserCodeError
 from polytrain.world import World
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coefficient = max_norm / (norm + 1e-6), at most 1
@@ -51,12 +54,20 @@ class StateMismatchError(UserError):
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
     """A SpecError raised while TensorFlow traces a step (a user loss of the wrong shape) comes back with
-    TensorFlow's traceback folded into its text: keep the one line it was raised with."""
+    TensorFlow's traceback folded into its text: keep the one line it was raised with. An exception in the user's
+    loss or metric comes back as another exception raised over it: the `UserCodeError` it was is raised again."""
     try:
         yield
     except SpecError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise SpecError(lines[-1].removeprefix("SpecError: ") if lines else str(exc)) from None
+    except Exception as exc:
+        inner: BaseException | None = exc
+        while inner is not None and not isinstance(inner, UserCodeError):
+            inner = inner.__cause__ or inner.__context__
+        if inner is None:
+            raise
+        raise inner from inner.__cause__
 
 
 class TensorFlowFramework:
@@ -99,6 +110,16 @@ class TensorFlowFramework:
         self._finite_fn = tf.function(
             lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in self.accumulators]))
         self._zero_fn = tf.function(self._zero_accumulators)
+
+    def release(self, state: Mapping[str, np.ndarray] | None = None) -> Any:
+        """Let go of the compiled steps, accumulators and optimizer, and return the trained Keras model (a second
+        call returns None). Its variables are this process's own on every TensorFlow backend (the strategies mirror
+        them locally), so it predicts after the job's collectives are gone."""
+        model = getattr(self, "model", None)
+        self.model = self.optimizer = None
+        self.accumulators, self.trainable = [], []
+        self._micro_fn = self._eval_fn = self._apply_fn = self._finite_fn = self._zero_fn = None
+        return model
 
     # ---------------------------------------------------------------- compiled pieces
     def _loss_sum(self, out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:

@@ -21,8 +21,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
+from polytrain.user_code import call_user, user_name
 from polytrain.zoo import (
     ConvNetParams,
     MLPParams,
@@ -295,7 +296,7 @@ def _user_model(name: str, params: Any, info: DatasetInfo, dtype: str) -> keras.
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(dtype)  # a user's layers pick up mixed precision from the global policy
     try:
-        model = load_factory(name)(info, **dict(params))
+        model = call_user("model.name", name, load_factory(name), info, **dict(params))
     finally:
         keras.config.set_dtype_policy(previous)
     if not isinstance(model, keras.Model):
@@ -331,7 +332,7 @@ def build_model(name: str, params: Any, info: DatasetInfo, *, seed: int, precisi
     dtype = "mixed_bfloat16" if precision == "bf16" else "float32"
     if live is not None:  # a model given to polytrain.fit (the backend broadcasts rank 0's weights)
         if callable(live) and not isinstance(live, keras.Model):  # a function that builds it, inside the strategy
-            live = live()
+            live = call_user("model", f"fit:{user_name(live)}", live)
         if not isinstance(live, keras.Model):
             raise SpecError(f"model: expected a keras.Model for framework 'tensorflow', got {type(live).__name__}")
         model = live

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from polytrain import objectives
 from polytrain.errors import SpecError
+from polytrain.user_code import call_user
 
 PerSample = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
@@ -60,7 +61,7 @@ METRICS: dict[str, PerSample] = {"accuracy": _correct, "top5_accuracy": _top5, "
 def _checked(fn: Any, field_name: str, name: str) -> PerSample:
     """The user's function, held to one value per sample (checked when the step is traced)."""
     def per_sample(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        value = fn(out, y)
+        value = call_user(field_name, name, fn, out, y)
         if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank != 1:
             shape = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
             raise SpecError(f"{field_name}: {name} returned {shape}; it must return one value per sample, a "

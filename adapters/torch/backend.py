@@ -1,16 +1,18 @@
-"""What every PyTorch backend shares: device choice, the default hooks, gloo/NCCL collectives.
+"""What every PyTorch backend shares: device choice, the default hooks, gloo/NCCL collectives (the rendezvous
+before them: `rendezvous`).
 
 A backend subclasses `TorchBackend` and overrides only the hooks it owns
-(``wrap``, ``no_sync``, ``backward``, ``optimizer_step``, ``full_state``, ...).
+(``wrap``, ``no_sync``, ``backward``, ``optimizer_step``, ``full_state``, ...). The framework adapter runs a
+micro-step through ``train_micro_step`` and validation through ``eval_outputs``: their defaults are the
+data-parallel step (forward, then ``backward``, under ``no_sync`` except on a step's last micro-step); a model-parallel
+layout overrides them with its pipeline schedule.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -18,14 +20,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polytrain.environments import restart_count
-from polytrain.net import is_loopback, keep_gloo_on_loopback, listening_socket
+from polytrain.adapters.torch.rendezvous import (
+    import_before_group,
+    listen_address,
+    rendezvous_error,
+    rendezvous_store,
+    store_prefix,
+)
+from polytrain.net import keep_gloo_on_loopback
+from polytrain.protocols import DataShard
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline
 from polytrain.watchdog import Activity, PeerBoard
 from polytrain.world import World
 
 REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+#: a loss on (outputs, targets) summed over the samples: what a micro-step runs backward from
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def choose_device(cuda_available: bool, local_rank: int) -> str:
@@ -51,60 +62,6 @@ def check_fp16_runs(device: torch.device) -> None:
         reason = " ".join(str(exc).split())[:120]
         raise BackendUnavailableError(f"precision: fp16 cannot run on {device} here ({reason}); use bf16 or fp32") \
             from None
-
-
-def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
-    """The TCPStore the process group meets in, with keys scoped to this (re)start of the job.
-
-    Under torchrun the elastic agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``) and keeps it
-    across worker restarts; without a per-restart prefix, restarted workers would read the dead
-    workers' addresses. Elsewhere rank 0 hosts it at the World's master address and port — on a
-    loopback master only on that address (TCPStore alone would listen on every interface).
-    """
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    hosting = world.rank == 0 and not agent_store
-    listen_fd = None
-    if hosting and is_loopback(str(world.master_addr)):
-        listen_fd = listening_socket(str(world.master_addr), int(world.master_port), max(128, world.size)).fileno()
-    store = dist.TCPStore(str(world.master_addr), int(world.master_port), world.size, is_master=hosting,
-                          timeout=timeout, master_listen_fd=listen_fd)
-    return dist.PrefixStore(store_prefix(), store)
-
-
-def listen_address(world: World) -> str:
-    """Where this job's rendezvous and collectives listen (for the start-up log)."""
-    if is_loopback(str(world.master_addr)):
-        return f"{world.master_addr}:{world.master_port} (single node: loopback only)"
-    return f"all interfaces, port {world.master_port} (multi-node; master {world.master_addr})"
-
-
-def rendezvous_error(exc: BaseException, world: World, timeout_s: float) -> Exception:
-    """One line saying why the ranks did not meet at the master, and what to check."""
-    from polytrain.errors import RendezvousError
-
-    where = f"{world.master_addr}:{world.master_port}"
-    text = str(exc)
-    if "address already in use" in text.lower() or "EADDRINUSE" in text:
-        return RendezvousError(
-            f"rendezvous: rank {world.rank} cannot listen on MASTER_PORT {world.master_port} at {world.master_addr}: "
-            "the port is in use by another process; choose another MASTER_PORT (polytrain launch picks a free one)")
-    joined = re.search(r"(\d+)/(\d+) clients joined", text)
-    if joined:
-        return RendezvousError(
-            f"rendezvous: only {joined.group(1)} of {joined.group(2)} ranks reached the master {where} within "
-            f"{timeout_s:g} s (reliability.startup_timeout_s); check that every rank was started and that they agree "
-            f"on the world size (-np / WORLD_SIZE={world.size})")
-    if "timed out" in text.lower() or "connect" in text.lower():
-        return RendezvousError(
-            f"rendezvous: rank {world.rank} cannot reach the master at {where} within {timeout_s:g} s "
-            "(reliability.startup_timeout_s); check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that "
-            "the port is open between the hosts")
-    return RendezvousError(f"rendezvous at {where} failed: {text.strip().splitlines()[0][:200]}")
-
-
-def store_prefix() -> str:
-    """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
-    return f"polytrain/restart_{restart_count()}"
 
 
 class SyncAfterLastBackward:
@@ -134,13 +91,16 @@ class TorchBackend:
     """The base of every PyTorch backend; implements `polytrain.protocols.Backend`."""
 
     name = "base"
-    #: a pipeline-parallel layout's runner (`parallel.runner.PipelineRunner`): it runs the micro-steps
-    pipeline: Any = None
     #: set by `setup` when a rendezvous store listens (see `listen_address`)
     listen_address: str | None = None
     #: whether the timeline records every torch.distributed collective (`tracing.CollectiveTracer`): for
     #: backends whose collectives a library issues (FSDP, DeepSpeed); the others record their own buckets
     traces_collectives = False
+    #: whether ``wrap`` remakes the module itself (shards or partitions its parameters, adds hooks bound to the
+    #: job): the framework then trains a copy of a module the script gave, which stays plain (`TorchFramework.release`)
+    alters_module = False
+    #: the DeviceMesh a backend built over its groups (fsdp, model-parallel layouts); see `teardown`
+    mesh: Any = None
 
     def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
                  activity: Activity | None = None) -> None:
@@ -148,6 +108,7 @@ class TorchBackend:
         self.world = world
         self.timeline = timeline
         self.activity = activity
+        self.data_shard = DataShard(world.size, world.rank)  # data parallel: one shard per rank
         cuda = torch.cuda.is_available()
         self.device = torch.device(choose_device(cuda, world.local_rank))
         if cuda:
@@ -175,6 +136,7 @@ class TorchBackend:
             raise rendezvous_error(exc, world, reliability.startup_timeout_s) from None
         store.set_timeout(datetime.timedelta(seconds=reliability.collective_timeout_s))
         timeout = datetime.timedelta(seconds=reliability.collective_timeout_s)
+        import_before_group()
         dist.init_process_group(
             backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
             store=store,
@@ -191,6 +153,7 @@ class TorchBackend:
         nobody serves."""
         if dist.is_initialized():
             return
+        import_before_group()
         dist.init_process_group(
             backend=choose_process_group_backend(str(self.device), dist.is_nccl_available()),
             store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=300))
@@ -212,6 +175,9 @@ class TorchBackend:
         return StoreBoard(dist.PrefixStore(f"{store_prefix()}/watchdog", client))
 
     def teardown(self) -> None:
+        """Destroy the process groups this backend started, and let go of them: a group ends (its gloo threads
+        joined, its store closed) only when nothing holds it any more. A DeviceMesh keeps its groups in a registry
+        of its own, and DTensor's caches keep the mesh for the life of the process, so that registry is emptied."""
         tracer = getattr(self, "_tracer", None)
         if tracer is not None:
             tracer.remove()
@@ -219,6 +185,10 @@ class TorchBackend:
         if getattr(self, "_owns_group", False) and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+        registry = getattr(self.mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+        self.mesh = None
 
     # ---------------------------------------------------------------- training hooks
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -246,6 +216,34 @@ class TorchBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def train_micro_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_sum: LossSum, scale: float,
+                         sync: bool, autocast: contextlib.AbstractContextManager[Any], scaler: Any | None) -> float:
+        """Forward and backward of one micro-batch (`Framework.train_micro_step`); returns the summed loss of its
+        samples. The backward pass runs on ``loss_sum(model(x), y) * scale`` (through fp16's ``scaler`` when there
+        is one), under `no_sync` unless ``sync``: the data-parallel step, through `backward`. A layout whose
+        schedule runs the forward and backward passes itself (a pipeline) overrides this."""
+        timeline, activity = self.timeline, self.activity
+        with contextlib.nullcontext() if sync else self.no_sync(model):
+            if activity is not None:
+                activity.phase("forward")
+            with timeline.span("forward", "compute"):
+                with autocast:
+                    out = model(x)
+                loss = loss_sum(out, y)
+                scaled = loss * scale
+            if activity is not None:
+                activity.phase("backward")
+            with timeline.span("backward", "compute", sync=sync):
+                self.backward(scaler.scale(scaled) if scaler is not None else scaled)
+        return float(loss.detach())
+
+    def eval_outputs(self, model: nn.Module, x: torch.Tensor,
+                     autocast: contextlib.AbstractContextManager[Any]) -> torch.Tensor | None:
+        """The outputs of the plain (`unwrap`-ped) ``model`` for ``x``, forward only; None on a rank that holds no
+        outputs (a pipeline's stages before the last: the last one reports)."""
+        with autocast:
+            return model(x)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))

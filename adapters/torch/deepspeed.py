@@ -119,15 +119,19 @@ def _skip_shm_op() -> None:
 class DeepSpeedBackend(TorchBackend):
     name = "deepspeed"
     traces_collectives = True  # the library issues them: the timeline records each
+    alters_module = True  # the engine partitions parameters, tags them with its groups and hooks the module
 
     def setup(self) -> None:
         _prepare_environment(self.device)
         # DeepSpeed reads its local rank from the environment; MPICH, Slurm or a single process set none.
         os.environ.setdefault("LOCAL_RANK", str(self.world.local_rank))
-        super().setup()
-        self.ensure_process_group()  # one process: DeepSpeed still wants one
+        # before any group exists: deepspeed.comm's barrier takes group=GroupMember.WORLD as a default, evaluated
+        # at import, which would hold our group past its destruction (see backend.import_before_group)
         import deepspeed
         from deepspeed.accelerator import get_accelerator
+
+        super().setup()
+        self.ensure_process_group()  # one process: DeepSpeed still wants one
 
         if self.spec.precision == "fp16" and not get_accelerator().is_fp16_supported():
             raise BackendUnavailableError(
@@ -184,6 +188,19 @@ class DeepSpeedBackend(TorchBackend):
                 shared = True
         if shared and hasattr(optimizer, "_link_all_hp_params"):
             optimizer._link_all_hp_params()  # the per-parameter views of the master (as DeepSpeed does on reload)
+
+    def teardown(self) -> None:
+        """The engine first (its hooks, buffers and optimizer), then the groups through ``deepspeed.comm``, which
+        also forgets those ``deepspeed.utils.groups`` keeps: held there, they would outlive the job."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.destroy()
+        if getattr(self, "_owns_group", False) and dist.is_initialized():
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
+            self._owns_group = False
+        super().teardown()
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
         """DeepSpeed's own ``engine.compile``: the engine's module, in place, with ZeRO's hooks kept eager."""

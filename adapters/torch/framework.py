@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -15,9 +16,11 @@ from polytrain.adapters.torch.backend import TorchBackend
 from polytrain.adapters.torch.execution import check_compiler, checkpoint_blocks, checkpointing_on
 from polytrain.adapters.torch.models import build_model
 from polytrain.adapters.torch.objectives import evaluation, loss_fn, metric_fns
+from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo, UserCode, data_shard_of
+from polytrain.protocols import UserCode
 from polytrain.spec import OptimizerSpec, TrainSpec
+from polytrain.user_code import call_user, user_name
 from polytrain.world import World
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,7 +38,7 @@ def _build_model(name: str, params: Any, info: DatasetInfo) -> torch.nn.Module:
 def _live_model(model: Any, backend: TorchBackend) -> torch.nn.Module:
     """A model given to `polytrain.fit`: every rank starts from rank 0's weights (scripts seed differently)."""
     if callable(model) and not isinstance(model, torch.nn.Module):  # a function that builds it
-        model = model()
+        model = call_user("model", f"fit:{user_name(model)}", model)
     if not isinstance(model, torch.nn.Module):
         raise SpecError(f"model: expected a torch.nn.Module for framework 'torch', got {type(model).__name__}")
     if backend.world.size > 1:
@@ -66,9 +69,15 @@ class TorchFramework:
         self.info = info
         torch.manual_seed(self.spec.seed)  # identical initial weights on every rank
         if self.user.model is not None:
-            model = _live_model(self.user.model, self.backend).to(self.device)
+            model = _live_model(self.user.model, self.backend)
         else:
-            model = _build_model(self.spec.model.name, self.spec.model.params, info).to(self.device)
+            model = _build_model(self.spec.model.name, self.spec.model.params, info)
+        # what `release` hands back: the module itself where the backend trains it in place; where the backend
+        # remakes it (sharding, engines, hooks, pipeline cuts: it takes the module over, as fully_shard and
+        # deepspeed.initialize do) an outline of it (meta tensors: no memory) that gets the trained state at the
+        # end, rather than a second full copy kept beside the sharded one for the whole run
+        self._result = outline(model) if self.backend.alters_module else model
+        model = model.to(self.device)
         self.backend.bind_data(info)
         if checkpointing_on(self.spec):  # before the backend wraps it: the same blocks on every backend
             checkpoint_blocks(self.spec, model)
@@ -78,7 +87,7 @@ class TorchFramework:
             check_compiler(self.device)
             self.backend.compile_model(self.model, self.spec.compile.mode)
         # per-shard randomness from here on: the ranks of a tensor-parallel group draw the same dropout masks
-        torch.manual_seed(self.spec.seed + data_shard_of(self.backend, self.world).index)
+        torch.manual_seed(self.spec.seed + self.backend.data_shard.index)
         self.loss_name = objectives.loss_name(self.spec.loss, info.task)
         self.loss = loss_fn(self.loss_name, self.user.loss)  # one value per sample
         self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task), self.user.metrics)
@@ -101,25 +110,8 @@ class TorchFramework:
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
         self.model.train()
         xb, yb = self._tensors(x, y)
-        if self.backend.pipeline is not None:  # the pipeline schedule runs forward and backward of its stages
-            with contextlib.nullcontext() if sync else self.backend.no_sync(self.model):
-                loss = self.backend.pipeline.train(xb, yb, self._loss_sum, loss_scale, self._autocast())
-                self.backend.after_backward()
-            return loss
-        timeline, activity = self.backend.timeline, self.backend.activity
-        with contextlib.nullcontext() if sync else self.backend.no_sync(self.model):
-            if activity is not None:
-                activity.phase("forward")
-            with timeline.span("forward", "compute"):
-                with self._autocast():
-                    out = self.model(xb)
-                loss = self._loss_sum(out, yb)
-                scaled = loss * loss_scale
-            if activity is not None:
-                activity.phase("backward")
-            with timeline.span("backward", "compute", sync=sync):
-                self.backend.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
-        return float(loss.detach())
+        return self.backend.train_micro_step(self.model, xb, yb, self._loss_sum, loss_scale, sync, self._autocast(),
+                                             self.scaler)
 
     def optimizer_step(self, lr: float, clip_norm: float | None) -> float | None:
         for group in self.optimizer.param_groups:
@@ -159,14 +151,29 @@ class TorchFramework:
         # compile (spec) covers the training step; validation runs eager (no second compile for eval mode)
         eager = torch.compiler.set_stance("force_eager") if self.spec.compile.enabled else contextlib.nullcontext()
         with eager:
-            if self.backend.pipeline is not None:
-                out = self.backend.pipeline.forward(xb, self._autocast())
-                if out is None:  # not the last stage: the last one reports
-                    return {}
-            else:
-                with self._autocast():
-                    out = model(xb)
+            out = self.backend.eval_outputs(model, xb, self._autocast())
+        if out is None:  # a pipeline's stage before the last: the last one reports
+            return {}
         return evaluation(self.loss_name, self.loss, self.metric_fns, out, yb)
+
+    def release(self, state: Mapping[str, np.ndarray] | None = None) -> torch.nn.Module | None:
+        """Drop this adapter's references into the job (the wrapped model, the optimizer, the loss scaler: DDP,
+        FSDP and DeepSpeed hold the process group through them) and return the trained model: a plain module on
+        the CPU, with no hook or tensor bound to the job, usable after the process group is gone. Where the
+        backend trained the module in place (local, ddp, mpi) it is that module (the script's own, if it gave
+        one); where the backend remade it (``alters_module``) it is a new module of the same classes filled with
+        ``state`` (`export_state`, taken before; without it the model is None). A second call returns None."""
+        plain, self._result = getattr(self, "_result", None), None
+        model = getattr(self, "model", None)
+        self.model = self.optimizer = self.scaler = None
+        if plain is None or model is None:
+            return None
+        if not self.backend.alters_module:
+            return plain.cpu()
+        if state is None:
+            return None
+        fill_outline(plain, _tensors(state))
+        return plain.cpu()
 
     def export_state(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.backend.full_state(self.model).items()}
@@ -207,6 +214,31 @@ class TorchFramework:
 
     def set_rng_state(self, state: list[int]) -> None:
         torch.set_rng_state(torch.tensor(state, dtype=torch.uint8))
+
+
+def outline(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and persistent buffers are meta tensors (no memory): the shape of
+    the plain model to load the trained state into (`TorchFramework.release`). Non-persistent buffers, which no
+    state holds, are copied as they are."""
+    memo: dict[int, Any] = {}
+    for tensor in model.state_dict(keep_vars=True).values():
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(
+            tensor, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def fill_outline(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Give an `outline` its tensors (``assign``: its meta tensors cannot take values), tying again what it tied."""
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    model.load_state_dict(dict(state), assign=True)
+    for first, *others in (names for names in tied.values() if len(names) > 1):
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, shared)
 
 
 def _tensors(state: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -17,6 +17,10 @@ Units: every module of the classes named in ``fsdp.units`` (default: the model's
 ``activation_checkpointing``, or its alias ``fsdp.activation_checkpointing``) recomputes those
 units in the backward pass (applied before sharding, see `execution.checkpoint_blocks`). ``fully_shard`` replaces the model's
 parameters with DTensors, so `wrap` builds the spec's optimizer again over them.
+
+Under ``parallel`` (tensor/pipeline > 1) the same options (`shard_options`, `shard_model`) apply to the data
+dimension of the layout's mesh (`data_mesh_shape`, `data_mesh`), each stage being a root
+(`parallel.data.FSDPDimension`).
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from torch import nn
 from polytrain.adapters.torch.backend import TorchBackend, check_fp16_runs
 from polytrain.adapters.torch.execution import block_modules, compile_module, find_unit_classes
 from polytrain.errors import SpecError
+from polytrain.spec import TrainSpec
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RESHARD_AFTER_FORWARD = {"full_shard": True, "shard_grad_op": False, "hybrid_shard": True, "no_shard": False}
-__all__ = ["FSDPBackend", "MIXED_DTYPES", "RESHARD_AFTER_FORWARD", "find_unit_classes", "mesh_shape"]
+__all__ = ["FSDPBackend", "MIXED_DTYPES", "RESHARD_AFTER_FORWARD", "data_mesh", "data_mesh_shape", "find_unit_classes",
+           "mesh_shape", "shard_model", "shard_options"]
 
 
 def mesh_shape(sharding: str, size: int, num_nodes: int, local_size: int) -> tuple[int, ...]:
@@ -50,9 +56,74 @@ def mesh_shape(sharding: str, size: int, num_nodes: int, local_size: int) -> tup
     return (size,)
 
 
+def data_mesh_shape(sharding: str, grid: tuple[int, int, int], num_nodes: int, local_size: int) -> tuple[int, int]:
+    """(replicate, shard) of the data dimension of a ``pipeline × data × tensor`` grid (`polytrain.layout`), the
+    strategies meaning what they mean for the whole world in `mesh_shape`: hybrid_shard shards over the data
+    ranks that share a node and replicates across nodes (one node: all of them, like full_shard)."""
+    pipeline, data, tensor = grid
+    if sharding == "no_shard":
+        return (data, 1)
+    if sharding != "hybrid_shard":
+        return (1, data)
+    mesh_shape(sharding, pipeline * data * tensor, num_nodes, local_size)  # the same processes on every node
+    span = data * tensor  # the ranks of one pipeline stage, among which each data group lies
+    if local_size % span == 0:  # a node holds whole stages: every data group on one node
+        return (1, data)
+    if span % local_size == 0 and local_size % tensor == 0:
+        return (span // local_size, local_size // tensor)
+    raise SpecError(f"fsdp.sharding: hybrid_shard needs each node to hold whole tensor groups and an equal share of "
+                    f"every data group; {local_size} processes per node do not fit parallel data {data} × tensor "
+                    f"{tensor} (use full_shard, or a node size that divides or is divided by {span})")
+
+
+def data_mesh(sharding: str, mesh: Any) -> Any:
+    """The data dimension of a layout's ``dp_replicate × dp_shard`` mesh as ``fully_shard`` takes it: both
+    dimensions where plain fsdp's mesh for ``sharding`` has two (`mesh_shape`: hybrid_shard, no_shard), ``dp_shard``
+    alone otherwise."""
+    return mesh["dp_replicate", "dp_shard"] if len(mesh_shape(sharding, 1, 1, 1)) == 2 else mesh["dp_shard"]
+
+
+def check_node_major(backend: TorchBackend) -> None:
+    """hybrid_shard: init_device_mesh puts ranks row by row, so each row must be one node's ranks."""
+    world = backend.world
+    node_major = world.rank == world.node_rank * world.local_size + world.local_rank
+    if not all(backend.all_gather_object(node_major)):
+        raise SpecError("fsdp.sharding: hybrid_shard needs ranks numbered node by node "
+                        "(rank = node_rank × processes per node + local_rank); the launcher interleaved them")
+
+
+def shard_options(spec: TrainSpec, device: torch.device, mesh: Any) -> dict[str, Any]:
+    """``fully_shard``'s options from the spec's ``fsdp`` table and precision, over ``mesh``: the whole world
+    for backend fsdp, the data dimension of a model-parallel layout (`parallel.backend`)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    fsdp = spec.fsdp
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": RESHARD_AFTER_FORWARD[fsdp.sharding]}
+    dtype = MIXED_DTYPES.get(spec.precision)
+    if dtype is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32 if fsdp.reduce_fp32 else dtype)
+    if fsdp.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return options
+
+
+def shard_model(model: nn.Module, spec: TrainSpec, options: Mapping[str, Any]) -> list[nn.Module]:
+    """``fully_shard`` each unit (``fsdp.units``, else the model's blocks), innermost first, then ``model``.
+    Returns the units."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = block_modules(model, spec.fsdp.units)  # checkpointed already when asked (framework.build)
+    for unit in reversed(units):  # innermost first, as fully_shard requires
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    return units
+
+
 class FSDPBackend(TorchBackend):
     name = "fsdp"
     traces_collectives = True  # the library issues them: the timeline records each
+    alters_module = True  # fully_shard turns parameters into DTensors on the job's mesh
 
     def setup(self) -> None:
         super().setup()
@@ -64,41 +135,22 @@ class FSDPBackend(TorchBackend):
         world, sharding = self.world, self.spec.fsdp.sharding
         shape = mesh_shape(sharding, world.size, world.num_nodes, world.local_size)
         if sharding == "hybrid_shard":
-            # init_device_mesh puts ranks row by row: each row must be one node's ranks.
-            node_major = world.rank == world.node_rank * world.local_size + world.local_rank
-            if not all(self.all_gather_object(node_major)):
-                raise SpecError("fsdp.sharding: hybrid_shard needs ranks numbered node by node "
-                                "(rank = node_rank × processes per node + local_rank); the launcher interleaved them")
+            check_node_major(self)
         if len(shape) == 1:
             return init_device_mesh(self.device.type, shape, mesh_dim_names=("shard",))
         return init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
-    def _shard_options(self) -> dict[str, Any]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-        fsdp = self.spec.fsdp
-        options: dict[str, Any] = {"mesh": self._mesh(), "reshard_after_forward": RESHARD_AFTER_FORWARD[fsdp.sharding]}
-        dtype = MIXED_DTYPES.get(self.spec.precision)
-        if dtype is not None:
-            options["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=dtype, reduce_dtype=torch.float32 if fsdp.reduce_fp32 else dtype)
-        if fsdp.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        return options
-
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from torch.distributed.fsdp import fully_shard
-
-        units = block_modules(model, self.spec.fsdp.units)  # checkpointed already when asked (framework.build)
-        options = self._shard_options()
-        for unit in reversed(units):  # innermost first, as fully_shard requires
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
-        self._units = units
+        self.mesh = self._mesh()
+        self._units = shard_model(model, self.spec, shard_options(self.spec, self.device, self.mesh))
         from polytrain.adapters.torch.framework import make_optimizer
 
         # The given optimizer points at the replaced (unsharded) parameters: build the spec's over the new ones.
         return model, make_optimizer(self.spec.optimizer, model.parameters())
+
+    def teardown(self) -> None:
+        self._units = []
+        super().teardown()
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
         """Each unit, then the root, in place: FSDP2's all-gather and reduce-scatter hooks run around the

@@ -31,6 +31,7 @@ from polytrain.errors import BackendUnavailableError
 
 class HorovodBackend(SyncAfterLastBackward, TorchBackend):
     name = "horovod"
+    alters_module = True  # DistributedOptimizer hooks every parameter (real Horovod's hooks cannot be removed)
 
     def setup(self) -> None:
         import polytrain.horovod.torch as hvd

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.protocols import DatasetInfo
+from polytrain.user_code import call_user
 from polytrain.zoo import ConvNetParams, MLPParams, is_import_path, load_factory, model_params
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
@@ -58,7 +59,7 @@ class ConvNet(nn.Module):
 def build_model(name: str, params: Any, info: DatasetInfo) -> nn.Module:
     """Build a zoo model, or call a user's ``package.module:factory(info, **params)``."""
     if is_import_path(name):
-        model = load_factory(name)(info, **dict(params))
+        model = call_user("model.name", name, load_factory(name), info, **dict(params))
         if not isinstance(model, nn.Module):
             raise SpecError(f"model.name: {name} returned {type(model).__name__}, not a torch.nn.Module")
         return model

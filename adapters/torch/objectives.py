@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from polytrain import objectives
 from polytrain.errors import SpecError
+from polytrain.user_code import call_user
 
 PerSample = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,7 +63,7 @@ METRICS: dict[str, PerSample] = {"accuracy": _correct, "top5_accuracy": _top5, "
 def _checked(fn: Any, field_name: str, name: str) -> PerSample:
     """The user's function, held to one value per sample (a clear error otherwise)."""
     def per_sample(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        value = fn(out, y)
+        value = call_user(field_name, name, fn, out, y)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (len(y),):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise SpecError(f"{field_name}: {name} returned {shape}; it must return one value per sample, a "

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polytrain.protocols import DatasetInfo
+from polytrain.data.source import DatasetInfo
 from polytrain.zoo import TransformerParams
 
 

@@ -17,23 +17,22 @@ which are per layout, do not matter).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, free_port, loopback_env, run
+from procs import check, step_losses, train
+from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
 
 from polytrain.checkpoint import read_model, step_dir_name
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
-LM = ["model.name=transformer", "data.name=tokens", "data.tokens.samples=640", "data.tokens.seq_len=16",
-      "data.tokens.vocab=32", "model.params.d_model=32", "model.params.n_heads=4", "model.params.n_layers=4",
-      "model.params.tie_weights=false", "model.params.dropout=0.0", "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.momentum=0.9",
-      "loop.epochs=2", "loop.max_steps=22", "loop.grad_accum_steps=2", "loop.grad_clip_norm=0.5",
-      "loop.log_every_n_steps=1", "data.global_batch_size=32", "checkpoint.every_n_steps=11"]
+# the parity job on a deeper, untied LM, at half the learning rate and without the cosine decay
+LM = as_sets(merged(lm(tokens={**TOKENS, "samples": 640}, n_layers=4, tie_weights=False, dropout=0.0), PARITY_TRAINING,
+                 {"optimizer": {"lr": 0.5}, "schedule": None, "data": {"global_batch_size": 32},
+                  "checkpoint": {"every_n_steps": 11}}))
 STEPS, SAVED = 22, 11
 LAYOUTS = {
     "tensor2": (2, ["backend=ddp", "parallel.tensor=2"]),
@@ -51,19 +50,10 @@ LAYOUTS = {
 }
 
 
-def train(out: Path, nproc: int, sets: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict, dict]:
-    args = ["train", "--quiet", *[a for s in [*LM, *sets, f"output={out}"] for a in ("--set", s)]]
-    if resume is not None:
-        args += ["--resume", str(resume)]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "polytrain.cli", *args]
-    else:
-        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "polytrain.cli", *args]
-    result = check(run(cmd, timeout=600, env=loopback_env()))
+def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict, dict]:
+    result = check(train(out, [*LM, *changes], nproc=nproc, resume=resume, timeout=600))
     assert not result.left_behind, result.left_behind
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = np.array([e["loss"] for e in events if e["event"] == "step"])
+    losses = step_losses(out)
     state, manifest = read_model(out)
     assert manifest["world_size"] == nproc
     assert len(set(manifest["rank_state_digests"])) == 1, manifest["rank_state_digests"]  # every rank: one model
@@ -81,7 +71,7 @@ def differences(losses: np.ndarray, state: dict, ref_losses: np.ndarray, ref_sta
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, dict]:
     out = tmp_path_factory.mktemp("one-process")
-    losses, state, _ = train(out, 1, ["backend=ddp"])
+    losses, state, _ = trained(out, 1, ["backend=ddp"])
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1  # it learned something
     return out, losses, state
 
@@ -89,7 +79,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndar
 @pytest.fixture(scope="module")
 def tensor2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, dict]:
     out = tmp_path_factory.mktemp("tensor2")
-    losses, state, _ = train(out, *LAYOUTS["tensor2"])
+    losses, state, _ = trained(out, *LAYOUTS["tensor2"])
     return out, losses, state
 
 
@@ -99,7 +89,7 @@ def test_layout_trains_like_one_process(layout: str, one_process: tuple, tensor2
     if layout == "tensor2":
         _, losses, state = tensor2_run
     else:
-        losses, state, manifest = train(tmp_path, *LAYOUTS[layout])
+        losses, state, manifest = trained(tmp_path, *LAYOUTS[layout])
         assert manifest["backend"] == LAYOUTS[layout][1][0].partition("=")[2]
     loss_rel, weight_rel = differences(losses, state, ref_losses, ref_state)
     print(f"\n{layout}: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
@@ -108,7 +98,7 @@ def test_layout_trains_like_one_process(layout: str, one_process: tuple, tensor2
 
 def test_compile_keeps_tensor_parallel(one_process: tuple, tmp_path: Path) -> None:
     _, ref_losses, ref_state = one_process
-    losses, state, _ = train(tmp_path, 2, ["backend=ddp", "parallel.tensor=2", "compile.enabled=true"])
+    losses, state, _ = trained(tmp_path, 2, ["backend=ddp", "parallel.tensor=2", "compile.enabled=true"])
     loss_rel, weight_rel = differences(losses, state, ref_losses, ref_state)
     print(f"\ntensor2 + compile: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
     assert loss_rel < 1e-4 and weight_rel < 1e-4
@@ -123,7 +113,7 @@ def test_tensor_parallel_checkpoint_resumes_on_one_process(one_process: tuple, t
                                                            tmp_path: Path) -> None:
     _, ref_losses, ref_state = one_process
     source, _, _ = tensor2_run
-    losses, state, _ = train(tmp_path, 1, ["backend=ddp"], resume=_saved(source))
+    losses, state, _ = trained(tmp_path, 1, ["backend=ddp"], resume=_saved(source))
     loss_rel, weight_rel = differences(losses, state, ref_losses[SAVED:], ref_state)
     assert len(losses) == STEPS - SAVED
     assert loss_rel < 1e-5 and weight_rel < 1e-5
@@ -131,7 +121,7 @@ def test_tensor_parallel_checkpoint_resumes_on_one_process(one_process: tuple, t
 
 def test_one_process_checkpoint_resumes_at_pipeline2_tensor2(one_process: tuple, tmp_path: Path) -> None:
     source, ref_losses, ref_state = one_process
-    losses, state, _ = train(tmp_path, 4, LAYOUTS["pipeline2-tensor2"][1], resume=_saved(source))
+    losses, state, _ = trained(tmp_path, 4, LAYOUTS["pipeline2-tensor2"][1], resume=_saved(source))
     loss_rel, weight_rel = differences(losses, state, ref_losses[SAVED:], ref_state)
     assert len(losses) == STEPS - SAVED
     assert loss_rel < 1e-5 and weight_rel < 1e-5
@@ -143,31 +133,33 @@ USER = ["model.name=tp_user_model:make", "data.name=digits", "optimizer.name=sgd
 HERE = Path(__file__).resolve().parent
 
 
-def train_user(out: Path, nproc: int, sets: list[str], *, timeline: Path | None = None):
-    args = ["train", "--quiet", *[a for s in [*USER, *sets, f"output={out}"] for a in ("--set", s)]]
-    if timeline is not None:
-        args += ["--timeline", str(timeline)]
-    prefix = [sys.executable, "-m"] if nproc == 1 else [
-        str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        "-m"]
-    return run([*prefix, "polytrain.cli", *args], timeout=400, env=loopback_env(PYTHONPATH=str(HERE)))
+def train_user(out: Path, nproc: int, changes: list[str], *, timeline: Path | None = None, probe: Path | None = None):
+    args = ["--timeline", str(timeline)] if timeline is not None else []
+    env = {"PYTHONPATH": str(HERE), **({"PROBE_DIR": str(probe)} if probe else {})}
+    return train(out, [*USER, *changes], nproc=nproc, args=args, env=env, timeout=400)
 
 
 def user_result(out: Path) -> tuple[np.ndarray, dict]:
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     state, manifest = read_model(out)
     assert len(set(manifest["rank_state_digests"])) == 1
-    return np.array([e["loss"] for e in events if e["event"] == "step"]), state
+    return step_losses(out), state
 
 
-def test_a_user_model_with_its_own_plan_and_a_pipeline_timeline(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def user_one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, dict]:
+    out = tmp_path_factory.mktemp("user-one-process")
+    check(train_user(out, 1, ["backend=ddp"]))
+    return user_result(out)
+
+
+def test_a_user_model_with_its_own_plan_and_a_pipeline_timeline(user_one_process: tuple, tmp_path: Path) -> None:
     """``parallel.tensor_plan`` splits a user's model; the same model cut into 2 pipeline stages shows each
     stage's forward and backward per micro-batch, and the bubbles, on the timeline."""
-    check(train_user(tmp_path / "one", 1, ["backend=ddp"]))
-    ref_losses, ref_state = user_result(tmp_path / "one")
+    ref_losses, ref_state = user_one_process
     check(train_user(tmp_path / "tp", 2, ["backend=ddp", "parallel.tensor=2", "parallel.tensor_plan=tp_user_model:plan"]))
     losses, state = user_result(tmp_path / "tp")
-    assert differences(losses, state, ref_losses, ref_state) < (1e-5, 1e-5)
+    loss_rel, weight_rel = differences(losses, state, ref_losses, ref_state)
+    assert loss_rel < 1e-5 and weight_rel < 1e-5  # each, not the (loss, weight) pair in tuple order
     trace_file = tmp_path / "trace.json"
     check(train_user(tmp_path / "pp", 2, ["backend=ddp", "parallel.pipeline=2", "parallel.microbatches=4"],
                      timeline=trace_file))
@@ -196,4 +188,63 @@ def test_a_plan_naming_a_missing_module_is_one_line(tmp_path: Path) -> None:
     errors = {line for line in result.stderr.splitlines() if line.startswith("polytrain: error:")}
     assert errors == {"polytrain: error: parallel.tensor_plan: no submodule 'layers.0.gate' in ResidualMLP (the plan "
                       "names 1 missing module(s)); use names from model.named_modules()"}, result.stderr[-2000:]
+    assert not result.left_behind
+
+
+PLAN = ["backend=fsdp", "parallel.tensor=2", "parallel.tensor_plan=tp_user_model:plan", "model.name=tp_user_model:make_probed"]
+#: the fsdp table under parallel (issue 26 item 7): (processes, settings, what the probe must find on every rank,
+#: whether the run must match one process). The probe (tp_user_model.ProbedResidualMLP) reads the first block
+#: after its forward: a weight left gathered has the tensor mesh only, a resharded one the data dimensions too.
+FSDP_TABLE = {
+    "shard_grad_op+cpu_offload": (2, ["fsdp.sharding=shard_grad_op", "fsdp.cpu_offload=true"], {
+        "registered_after_forward": ["tp"], "data_mesh": {"dp_shard": 1}, "offload": True,
+        "param_dtype": "None", "reduce_dtype": "None"}, True),
+    "no_shard over 2 data ranks": (4, ["fsdp.sharding=no_shard"], {
+        "registered_after_forward": ["tp"], "data_mesh": {"dp_replicate": 2, "dp_shard": 1}, "offload": False}, True),
+    "hybrid_shard+bf16, reduce in bf16": (2, ["fsdp.sharding=hybrid_shard", "precision=bf16", "fsdp.reduce_fp32=false"], {
+        "registered_after_forward": ["dp_replicate", "dp_shard", "tp"], "registered_dtype": "torch.float32",
+        "data_mesh": {"dp_replicate": 1, "dp_shard": 1}, "offload": False,
+        "param_dtype": "torch.bfloat16", "reduce_dtype": "torch.bfloat16"}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_TABLE))
+def test_the_fsdp_table_applies_on_the_data_dimension(case: str, user_one_process: tuple, tmp_path: Path) -> None:
+    """fsdp.sharding, cpu_offload and reduce_fp32 under parallel go through plain fsdp's options: each one's
+    effect is seen on every rank, and the fp32 runs still train like one process."""
+    nproc, sets, expected, parity = FSDP_TABLE[case]
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    check(train_user(tmp_path / "run", nproc, [*PLAN, *sets], probe=probe))
+    records = [json.loads((probe / f"rank-{rank}.json").read_text()) for rank in range(nproc)]
+    for record in records:
+        assert {key: record[key] for key in expected} == expected, record
+    losses, state = user_result(tmp_path / "run")
+    if parity:
+        loss_rel, weight_rel = differences(losses, state, *user_one_process)
+        assert loss_rel < 1e-5 and weight_rel < 1e-5
+    else:
+        assert all(np.isfinite(v).all() for v in state.values()) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(("sets", "line"), [
+    (["parallel.pipeline=2", "model.params.depth=1"],
+     "parallel.pipeline: 2 stages need at least 2 blocks; the model declares 1 (ResidualMLP's block_classes); use "
+     "fewer stages or a deeper model"),
+    (["parallel.pipeline=2", "parallel.stage_boundaries=[4]"],
+     "parallel.stage_boundaries: [4] cut past the model's 4 blocks (ResidualMLP's block_classes); each boundary "
+     "must be below 4"),
+    (["parallel.tensor=2"],
+     "parallel.tensor: model ResidualMLP has no tensor-parallel plan built in; give parallel.tensor_plan: "
+     "package.module:function returning its parallelize_module plan"),
+])
+def test_a_factory_model_that_cannot_take_the_layout_stops_every_rank_with_one_line(sets: list[str], line: str,
+                                                                                    tmp_path: Path) -> None:
+    """A factory's blocks and plan are known only when it is built: every rank stops there with the line a zoo
+    model gets at spec time."""
+    result = train_user(tmp_path, 2, ["backend=ddp", *sets])
+    assert result.returncode != 0
+    assert "adapters/torch" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("polytrain: error:")]
+    assert set(errors) == {f"polytrain: error: {line}"}, result.stderr[-2000:]
     assert not result.left_behind

@@ -67,6 +67,47 @@ def broken_plan(model: ResidualMLP, mesh: Any) -> dict[str, Any]:
     return {"layers.0.gate": ColwiseParallel()}
 
 
+class ProbedResidualMLP(ResidualMLP):
+    """Records, once, what FSDP made of the first block, into ``$PROBE_DIR/rank-<RANK>.json`` — at ``finish``,
+    when every block has run its forward: the mesh of the weight left registered there (FSDP registers the
+    sharded DTensor again after a forward that reshards, the gathered one otherwise), and the sharding, offload
+    and mixed-precision policy of the block's parameter group."""
+
+    probed = False
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and not self.probed:
+            self.probed = True
+            _probe(self.layers[0])
+        return super().finish(x)
+
+
+def _probe(block: nn.Module) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    from torch.distributed.tensor import DTensor
+
+    weight = block.up.weight
+    group = block._get_fsdp_state()._fsdp_param_group  # FSDP2 has no public getter for its policies
+    mesh = group.mesh_info.mesh
+    record = {"registered_after_forward": list(weight.device_mesh.mesh_dim_names) if isinstance(weight, DTensor)
+              else [], "registered_dtype": str(weight.dtype),
+              "data_mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
+              "offload": all(param.offload_to_cpu for param in group.fsdp_params),
+              "param_dtype": str(group.mp_policy.param_dtype), "reduce_dtype": str(group.mp_policy.reduce_dtype)}
+    out = Path(os.environ["PROBE_DIR"]) / f"rank-{os.environ.get('RANK', '0')}.json"
+    out.write_text(json.dumps(record))
+
+
+def make_probed(info: Any, width: int = 32, depth: int = 4) -> ResidualMLP:
+    inputs = 1
+    for d in info.input_shape:
+        inputs *= d
+    return ProbedResidualMLP(inputs, width, depth, info.num_outputs)
+
+
 class FaultyResidualMLP(ResidualMLP):
     """SIGKILLs itself at the ``FAULT_AT``-th training forward on rank ``FAULT_RANK`` (as faulty_model.py)."""
 

@@ -3,10 +3,14 @@ dimension run by the spec's backend (``ddp`` or ``fsdp``), the way torchtitan co
 
 1. tensor parallel first (`tensor.apply_tensor_parallel`, over ``mesh["tp"]``), on the whole model;
 2. then the pipeline cut (`pipeline.cut`): the model pruned to this rank's stage(s);
-3. then the data dimension over ``mesh["dp"]``: ``fsdp`` shards each block and each stage with FSDP2
-   (``fully_shard``: 2-D DTensors where tensor parallel split them); ``ddp`` averages the gradient shards
-   over the data-parallel group in one flat all-reduce after a step's last micro-step (DDP itself does not
-   take DTensor parameters).
+3. then the data dimension (``mesh["dp_replicate", "dp_shard"]``), a `data.DataDimension` the backend is given:
+   `data.FSDPDimension` shards each block and each stage with FSDP2 through plain fsdp's code (2-D DTensors where
+   tensor parallel split them); `data.DDPDimension` averages the gradient shards over the data group after a
+   step's last micro-step.
+
+The registry rows of ``ddp`` and ``fsdp`` name `ddp_layout` and `fsdp_layout` (their ``layout``): the backend made
+for a spec with ``parallel`` is one of these, named like its data dimension. A micro-step runs through the
+pipeline's schedule where there is one (`train_micro_step`, `eval_outputs`), as the data-parallel step otherwise.
 
 Checkpoints are portable: `full_state` is the whole model on every rank (see `state.py`), and
 `load_full_state` takes it back in any layout.
@@ -23,26 +27,29 @@ import numpy as np
 import torch
 from torch import nn
 
-from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.backend import LossSum, TorchBackend
 from polytrain.adapters.torch.execution import block_modules, compile_module
 from polytrain.adapters.torch.parallel import state as layout_state
+from polytrain.adapters.torch.parallel.data import DataDimension, DDPDimension, FSDPDimension
 from polytrain.adapters.torch.parallel.tensor import from_portable, to_portable
-from polytrain.layout import DATA_BACKENDS, grid_for
+from polytrain.layout import grid_for
 from polytrain.protocols import DataShard
 from polytrain.spec import TrainSpec
-from polytrain.timeline import COLLECTIVES, NULL, Timeline
+from polytrain.timeline import NULL, Timeline
 from polytrain.watchdog import Activity
 from polytrain.world import World
 
 
 class ParallelBackend(TorchBackend):
     traces_collectives = True  # DTensor, the pipeline and FSDP issue them: the timeline records each
+    alters_module = True  # DTensor plans and the pipeline cut remake the module
 
-    def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
+    def __init__(self, spec: TrainSpec, world: World, data: DataDimension, *, timeline: Timeline = NULL,
                  activity: Activity | None = None) -> None:
         super().__init__(spec, world, timeline=timeline, activity=activity)
         self.grid = grid_for(spec.parallel, world.size, world.rank)
-        self.name = spec.backend if spec.backend in DATA_BACKENDS else "ddp"
+        self.data = data
+        self.name = data.name
         self.data_shard = DataShard(self.grid.data, self.grid.data_rank, self.grid.reports)
         self.pipeline: Any = None
         self.head_major: dict[str, int] = {}
@@ -61,9 +68,17 @@ class ParallelBackend(TorchBackend):
         # DTensor's advice to flatten mesh dimensions (a 2-D gradient norm under fsdp × tensor) is for its
         # authors, not for a user: keep it out of the job's output
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        self.mesh = init_device_mesh(self.device.type, self.grid.shape, mesh_dim_names=("pp", "dp", "tp"))
+        pipeline, _, tensor = self.grid.shape
+        replicate, shard = self.data.split(self, self.grid)
+        self.mesh = init_device_mesh(self.device.type, (pipeline, replicate, shard, tensor),
+                                     mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
         self.pp_group = self.mesh["pp"].get_group() if self.grid.pipeline > 1 else None
-        self.dp_group = self.mesh["dp"].get_group()
+        self.data.bind(self.mesh)
+
+    def teardown(self) -> None:
+        self.pipeline = self.pp_group = None  # the stages and the groups they use
+        self.data.release()
+        super().teardown()
 
     def bind_data(self, info: Any) -> None:
         self.info = info
@@ -96,18 +111,8 @@ class ParallelBackend(TorchBackend):
             self.pipeline = PipelineRunner(placed, total, parallel.schedule, parallel.n_microbatches, self.device,
                                            self.pp_group, self.timeline)
         self._stages, self._model = stages, model
-        if self.name == "fsdp":
-            self._shard(model, stages)
+        self.data.wrap(stages, self.spec, self.device, self.mesh)
         return model, make_optimizer(self.spec.optimizer, model.parameters())
-
-    def _shard(self, model: nn.Module, stages: list[nn.Module]) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.mesh["dp"]
-        for stage in stages:
-            for unit in reversed(block_modules(stage, self.spec.fsdp.units)):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(stage, mesh=mesh)
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
         """Each of this rank's blocks (torchtitan's per-block compile): the tensor-parallel collectives and
@@ -120,27 +125,34 @@ class ParallelBackend(TorchBackend):
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         self._sync, previous = False, self._sync
-        fsdp = [m for m in self._stages if hasattr(m, "set_requires_gradient_sync")]
-        for module in fsdp:
-            module.set_requires_gradient_sync(False)
         try:
-            yield
+            with self.data.no_sync():
+                yield
         finally:
             self._sync = previous
-            for module in fsdp:
-                module.set_requires_gradient_sync(True)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        self.after_backward()
+        if self._sync:  # the step's last micro-step
+            self.data.sync(self._model.parameters(), self.timeline)
 
-    def after_backward(self) -> None:
-        """After a micro-step's backward (or pipeline step): ``ddp`` averages over the data group on the last."""
-        if self._sync and self.name == "ddp" and self.grid.data > 1:
-            started = self.timeline.now()
-            nbytes = layout_state.average_gradients(self._model.parameters(), self.dp_group, self.grid.data)
-            self.timeline.complete("gradient average (data group)", "collective", started, self.timeline.now(),
-                                   track=COLLECTIVES, op="allreduce", bytes=nbytes)
+    def train_micro_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_sum: LossSum, scale: float,
+                         sync: bool, autocast: contextlib.AbstractContextManager[Any], scaler: Any | None) -> float:
+        """With a pipeline, its schedule runs the forward and backward passes of every micro-batch of its stages
+        (the summed loss on the last stage, 0 elsewhere); without one, the data-parallel step."""
+        if self.pipeline is None:
+            return super().train_micro_step(model, x, y, loss_sum, scale, sync, autocast, scaler)
+        with contextlib.nullcontext() if sync else self.no_sync(model):
+            loss = self.pipeline.train(x, y, loss_sum, scale, autocast)
+        if sync:
+            self.data.sync(self._model.parameters(), self.timeline)
+        return loss
+
+    def eval_outputs(self, model: nn.Module, x: torch.Tensor,
+                     autocast: contextlib.AbstractContextManager[Any]) -> torch.Tensor | None:
+        if self.pipeline is None:
+            return super().eval_outputs(model, x, autocast)
+        return self.pipeline.forward(x, autocast)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         return layout_state.clip_gradients(list(model.parameters()), max_norm, self.pp_group)
@@ -191,3 +203,15 @@ class ParallelBackend(TorchBackend):
         # another stage's parameters are another rank's
         load_optimizer_state_dcp(model, optimizer, from_portable(state, self.head_major), self.device,
                                  elsewhere=self.shapes)
+
+
+def ddp_layout(spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
+               activity: Activity | None = None) -> ParallelBackend:
+    """A model-parallel layout with ``ddp`` as its data dimension (registry row ``ddp``'s ``layout``)."""
+    return ParallelBackend(spec, world, DDPDimension(), timeline=timeline, activity=activity)
+
+
+def fsdp_layout(spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
+                activity: Activity | None = None) -> ParallelBackend:
+    """A model-parallel layout with ``fsdp`` as its data dimension (registry row ``fsdp``'s ``layout``)."""
+    return ParallelBackend(spec, world, FSDPDimension(), timeline=timeline, activity=activity)

@@ -29,15 +29,14 @@ from torch import nn
 
 from polytrain.adapters.torch.execution import block_modules
 from polytrain.errors import SpecError
-from polytrain.layout import balanced_boundaries
+from polytrain.layout import balanced_boundaries, cannot_pipeline, check_blocks
 from polytrain.spec import TrainSpec
 
 
 def embed_modules(model: nn.Module, example: torch.Tensor) -> set[str]:
     """Names of the top-level submodules that ``model.embed`` uses, found by running it once."""
     if not (callable(getattr(model, "embed", None)) and callable(getattr(model, "finish", None))):
-        raise SpecError(f"parallel.pipeline: model {type(model).__name__} cannot be cut into stages: it needs "
-                        "embed(x) (before the first block) and finish(h) (after the last) methods and block_classes")
+        raise cannot_pipeline(type(model).__name__)
     used: set[str] = set()
     handles = [child.register_forward_pre_hook(lambda module, args, name=name: used.add(name))
                for name, child in model.named_children()]
@@ -69,10 +68,9 @@ def stage_ranges(spec: TrainSpec, model: nn.Module, paths: list[str], first: set
     """The block indices of each stage (``P × stages_per_rank`` stages)."""
     parallel = spec.parallel
     stages = parallel.pipeline * parallel.chunks
+    check_blocks(parallel, len(paths), f"{type(model).__name__}'s block_classes")
     if parallel.stage_boundaries is not None:
         cuts = parallel.stage_boundaries
-        if cuts[-1] >= len(paths):
-            raise SpecError(f"parallel.stage_boundaries: {list(cuts)} cut past the model's {len(paths)} blocks")
     else:
         modules = dict(model.named_modules())
         sizes = [sum(p.numel() for p in modules[path].parameters()) for path in paths]
@@ -118,6 +116,7 @@ def cut(spec: TrainSpec, model: nn.Module, example: torch.Tensor, pp_rank: int) 
     """Prune ``model`` to this pipeline rank's stages (see the module's docstring); returns (stage index, stage)."""
     parallel = spec.parallel
     paths = block_paths(model, spec)
+    check_blocks(parallel, len(paths), f"{type(model).__name__}'s block_classes")
     first = embed_modules(model, example)
     block_roots = {path.split(".")[0] for path in paths}
     last = [name for name, _ in model.named_children() if name not in first and name not in block_roots]

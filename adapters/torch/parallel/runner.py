@@ -29,6 +29,13 @@ from polytrain.timeline import PIPELINE, PIPELINE_IDLE, Timeline
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
+def microbatch_count(samples: int, most: int) -> int:
+    """How many pipeline micro-batches a batch of ``samples`` is cut into: a stage learns one micro-batch shape, so
+    they are equal, the most up to ``most`` (parallel.microbatches) that divide it (an epoch's smaller last step or a
+    validation batch may get fewer)."""
+    return max(d for d in range(1, max(1, min(most, samples)) + 1) if samples % d == 0)
+
+
 class TimedStage(PipelineStage):
     """A `PipelineStage` that records each micro-batch's forward and backward on the timeline."""
 
@@ -75,9 +82,7 @@ class PipelineRunner:
     def _schedule(self, n: int, train: bool) -> Any:
         key = (n, train)
         if key not in self._schedules:
-            # a stage learns one micro-batch shape: a batch is cut into equal micro-batches only, the most up to
-            # parallel.microbatches that divide it (an epoch's smaller last step or a validation batch may get fewer)
-            chunks = max(d for d in range(1, max(1, min(self.microbatches, n)) + 1) if n % d == 0)
+            chunks = microbatch_count(n, self.microbatches)
             pipes = [TimedStage(module, index, self.total, self.device, group=self.group,
                                 timeline=self.timeline, spans=self._spans, train=train)
                      for index, module in self.stages]

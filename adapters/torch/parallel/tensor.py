@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from polytrain.errors import SpecError
+from polytrain.layout import no_tensor_plan
 from polytrain.spec import TrainSpec
 
 
@@ -105,8 +106,7 @@ def apply_tensor_parallel(spec: TrainSpec, model: nn.Module, mesh: Any) -> dict[
     elif isinstance(model, TransformerLM):
         plan, head_major = _transformer_plan(model, degree)
     else:
-        raise SpecError(f"parallel.tensor: model {type(model).__name__} has no tensor-parallel plan built in; give "
-                        "parallel.tensor_plan: package.module:function returning its parallelize_module plan")
+        raise no_tensor_plan(type(model).__name__)
     names = dict(model.named_modules())
     missing = [name for name in plan if name not in names]
     if missing:

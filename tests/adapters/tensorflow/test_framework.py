@@ -8,8 +8,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-from polytrain import registry  # noqa: E402
-from polytrain import spec as spec_mod  # noqa: E402
+from polytrain import registry, validation  # noqa: E402
 from polytrain.adapters.tensorflow.framework import StateMismatchError  # noqa: E402
 from polytrain.data import load_dataset  # noqa: E402
 from polytrain.world import World  # noqa: E402
@@ -18,7 +17,7 @@ BASE = {"model": {"name": "mlp", "params": {"hidden_sizes": [32, 16]}}, "data": 
 
 
 def make(framework: str = "tensorflow", **raw: object):
-    spec = spec_mod.from_dict({**BASE, **raw, "framework": framework})
+    spec = validation.from_dict({**BASE, **raw, "framework": framework})
     data = load_dataset(spec.data, spec.seed)
     backend = registry.create_backend(spec, World())
     backend.setup()
@@ -29,7 +28,7 @@ def make(framework: str = "tensorflow", **raw: object):
 
 @pytest.fixture(scope="module")
 def digits():
-    return load_dataset(spec_mod.from_dict(BASE).data, 0)
+    return load_dataset(validation.from_dict(BASE).data, 0)
 
 
 def test_two_micro_steps_accumulate_like_one_big_one(digits) -> None:

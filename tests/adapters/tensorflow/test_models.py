@@ -20,8 +20,8 @@ from polytrain.adapters.tensorflow.models import (  # noqa: E402
     to_portable,
 )
 from polytrain.adapters.torch.models import build_model as build_torch_model  # noqa: E402
+from polytrain.data.source import DatasetInfo  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.protocols import DatasetInfo  # noqa: E402
 
 DIGITS = DatasetInfo(input_shape=(64,), num_outputs=10, task="classification", image_shape=(1, 8, 8))
 CASES = [

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from polytrain import registry  # noqa: E402
+from polytrain import registry, validation  # noqa: E402
 from polytrain import spec as spec_mod  # noqa: E402
 from polytrain.adapters.tensorflow.backend import choose_device  # noqa: E402
 from polytrain.adapters.tensorflow.multiworker import (  # noqa: E402
@@ -71,7 +71,7 @@ HOROVOD_TF = _import_error("horovod.tensorflow") is None
 
 
 def tf_spec(**raw: object) -> spec_mod.TrainSpec:
-    return spec_mod.from_dict({"framework": "tensorflow", **raw})
+    return validation.from_dict({"framework": "tensorflow", **raw})
 
 
 @pytest.mark.parametrize(("launcher", "size", "expected"), [

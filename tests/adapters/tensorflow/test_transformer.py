@@ -10,13 +10,12 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 torch = pytest.importorskip("torch")
 
-from polytrain import registry  # noqa: E402
-from polytrain import spec as spec_mod  # noqa: E402
+from polytrain import registry, validation  # noqa: E402
 from polytrain.adapters.tensorflow.models import build_model, from_portable, to_portable  # noqa: E402
 from polytrain.adapters.torch.transformer import build_transformer  # noqa: E402
 from polytrain.checkpoint import read_model  # noqa: E402
 from polytrain.data import epoch_plan, load_dataset  # noqa: E402
-from polytrain.protocols import DatasetInfo  # noqa: E402
+from polytrain.data.source import DatasetInfo  # noqa: E402
 from polytrain.trainer import Trainer  # noqa: E402
 from polytrain.world import World  # noqa: E402
 from polytrain.zoo import TransformerParams  # noqa: E402
@@ -41,7 +40,7 @@ def torch_lm(params: dict, info: DatasetInfo = INFO) -> torch.nn.Module:
 
 
 def make(framework: str, **raw: object):
-    spec = spec_mod.from_dict({**BASE, **raw, "framework": framework})
+    spec = validation.from_dict({**BASE, **raw, "framework": framework})
     data = load_dataset(spec.data, spec.seed)
     backend = registry.create_backend(spec, World())
     backend.setup()
@@ -235,7 +234,7 @@ def test_tensorflow_learns_the_token_rule_like_pytorch(tmp_path: Path) -> None:
            "schedule": {"lr_scaling": "none", "warmup_epochs": 0, "decay": "cosine"}, "loop": {"epochs": 12}}
     results = {}
     for framework in ("torch", "tensorflow"):
-        spec = spec_mod.from_dict({**raw, "framework": framework, "output": str(tmp_path / framework)})
+        spec = validation.from_dict({**raw, "framework": framework, "output": str(tmp_path / framework)})
         results[framework] = Trainer(spec, World(), show_progress=False).fit()
     tf_result, torch_result = results["tensorflow"], results["torch"]
     # chance is 1/10; both reach 0.77 in these 12 epochs (the rule allows ~0.9 after the first two positions)

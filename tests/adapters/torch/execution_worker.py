@@ -15,16 +15,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from specs import lm
 
-from polytrain import registry
+from polytrain import registry, validation
 from polytrain import spec as spec_mod
 from polytrain.adapters.torch.execution import is_checkpointed
 from polytrain.adapters.torch.framework import TorchFramework
-from polytrain.protocols import DatasetInfo
+from polytrain.data.source import DatasetInfo
 from polytrain.world import World
 
-LM = {"model": {"name": "transformer", "params": {"d_model": 16, "n_heads": 2, "n_layers": 2, "dropout": 0.1}},
-      "data": {"name": "tokens"}}
+LM = lm(tokens=None, d_model=16, n_heads=2, dropout=0.1)
 INFO = DatasetInfo(input_shape=(8,), num_outputs=16, task="next_token")
 
 
@@ -33,7 +33,7 @@ def compiled(module: torch.nn.Module) -> bool:
 
 
 def spec_for(backend: str, output: str, **fields: Any) -> spec_mod.TrainSpec:
-    return spec_mod.from_dict({**LM, "backend": backend, "output": output, **fields})
+    return validation.from_dict({**LM, "backend": backend, "output": output, **fields})
 
 
 def build(back: Any, spec: spec_mod.TrainSpec) -> TorchFramework:

@@ -16,20 +16,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 from procs import check, loopback_env, run
+from specs import lm
 
 torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from polytrain import registry  # noqa: E402
+from polytrain import registry, validation  # noqa: E402
 from polytrain import spec as spec_mod  # noqa: E402
 from polytrain.adapters.torch.execution import block_modules, checkpoint_blocks, is_checkpointed  # noqa: E402
 from polytrain.adapters.torch.transformer import TransformerLM  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
 from polytrain.zoo import TransformerParams  # noqa: E402
 
-LM = {"model": {"name": "transformer", "params": {"d_model": 16, "n_heads": 2, "n_layers": 2, "dropout": 0.1}},
-      "data": {"name": "tokens"}}
+LM = lm(tokens=None, d_model=16, n_heads=2, dropout=0.1)
 WORKER = Path(__file__).with_name("execution_worker.py")
 #: what each backend compiles in place: its wrapper (DDP), the model, or the model and every unit (FSDP2)
 COMPILED = {"local": (False, True, False), "ddp": (True, False, False), "fsdp": (False, True, True),
@@ -45,7 +45,7 @@ def test_every_backend_recomputes_the_blocks_and_compiles_in_place(backend: str,
     if reason:
         pytest.skip(reason)
     result = check(run([sys.executable, str(WORKER), backend, str(tmp_path)], timeout=240,
-                       env=loopback_env()))
+                       env=loopback_env(PYTHONPATH=str(WORKER.parents[2]))))  # the worker imports tests/specs.py
     report = json.loads(next(line[7:] for line in result.stdout.splitlines() if line.startswith("REPORT ")))
     plain = [n for n, _ in TransformerLM(16, 8, TransformerParams(16, 2, 2)).named_parameters()]
     for checkpointing, calls in ((False, 1), (True, 2)):
@@ -84,7 +84,7 @@ def test_checkpointing_keeps_fewer_activations_and_the_same_gradients() -> None:
         torch.manual_seed(0)
         model = TransformerLM(64, 32, params)
         if checkpointing:
-            assert len(checkpoint_blocks(spec_mod.from_dict({**LM, "activation_checkpointing": True}), model)) == 4
+            assert len(checkpoint_blocks(validation.from_dict({**LM, "activation_checkpointing": True}), model)) == 4
         torch.manual_seed(1)  # the same dropout masks: the recomputation replays the forward's RNG state
         results.append((saved_bytes(model, tokens), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (off, grads_off), (on, grads_on) = results
@@ -94,8 +94,8 @@ def test_checkpointing_keeps_fewer_activations_and_the_same_gradients() -> None:
 
 
 def test_nested_blocks_are_checkpointed_once() -> None:
-    spec = spec_mod.from_dict({**LM, "backend": "fsdp", "fsdp": {"units": ["Block", "MLPBlock"]},
-                               "activation_checkpointing": True}, validate_components=False)
+    spec = validation.from_dict({**LM, "backend": "fsdp", "fsdp": {"units": ["Block", "MLPBlock"]},
+                                 "activation_checkpointing": True}, validate_components=False)
     model = TransformerLM(16, 8, TransformerParams(16, 2, 2))
     assert len(block_modules(model, ("Block", "MLPBlock"))) == 4
     assert checkpoint_blocks(spec, model) == list(model.blocks)
@@ -103,8 +103,8 @@ def test_nested_blocks_are_checkpointed_once() -> None:
 
 
 def test_model_without_blocks_is_refused_in_one_line() -> None:
-    spec = spec_mod.from_dict({"activation_checkpointing": True, "model": {"name": "tests:factory"}},
-                              validate_components=False)
+    spec = validation.from_dict({"activation_checkpointing": True, "model": {"name": "tests:factory"}},
+                                validate_components=False)
     with pytest.raises(SpecError, match=r"^activation_checkpointing: the model declares no blocks to checkpoint; "
                                         r"give the model a block_classes attribute"):
         checkpoint_blocks(spec, nn.Sequential(nn.Linear(2, 2)))
@@ -112,10 +112,10 @@ def test_model_without_blocks_is_refused_in_one_line() -> None:
 
 # ---------------------------------------------------------------- spec rules
 def test_new_fields_default_off_and_leave_the_model_digest_alone() -> None:
-    plain = spec_mod.from_dict(LM)
+    plain = validation.from_dict(LM)
     assert not plain.activation_checkpointing and plain.compile == spec_mod.CompileSpec(False, "default")
-    on = spec_mod.from_dict({**LM, "activation_checkpointing": True,
-                             "compile": {"enabled": True, "mode": "max-autotune"}})
+    on = validation.from_dict({**LM, "activation_checkpointing": True,
+                               "compile": {"enabled": True, "mode": "max-autotune"}})
     assert on.model_digest() == plain.model_digest()  # checkpoints move between eager/compiled, with/without
     assert on.digest() != plain.digest()  # but they are part of the run's description (ranks must agree)
 
@@ -136,14 +136,14 @@ def test_new_fields_default_off_and_leave_the_model_digest_alone() -> None:
 def test_spec_rules_are_one_line(fields: dict, message: str) -> None:
     raw = {**LM, **fields}
     with pytest.raises(SpecError) as info:
-        spec_mod.from_dict(raw, validate_components=False)
+        validation.from_dict(raw, validate_components=False)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
 def test_fsdp_alias_and_named_units_are_allowed() -> None:
-    alias = spec_mod.from_dict({**LM, "backend": "fsdp", "fsdp": {"activation_checkpointing": True}})
-    mlp_units = spec_mod.from_dict({"backend": "fsdp", "activation_checkpointing": True,
-                                    "fsdp": {"units": ["Linear"]}})
+    alias = validation.from_dict({**LM, "backend": "fsdp", "fsdp": {"activation_checkpointing": True}})
+    mlp_units = validation.from_dict({"backend": "fsdp", "activation_checkpointing": True,
+                                      "fsdp": {"units": ["Linear"]}})
     from polytrain.adapters.torch.execution import checkpointing_on
 
     assert checkpointing_on(alias) and checkpointing_on(mlp_units)

@@ -9,12 +9,13 @@ import pytest
 pytest.importorskip("torch")
 
 from polytrain import spec as spec_mod  # noqa: E402
+from polytrain import validation  # noqa: E402
 from polytrain.adapters.torch.deepspeed import deepspeed_config, merge  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
 
 
 def make(**raw) -> spec_mod.TrainSpec:
-    return spec_mod.from_dict({"backend": "deepspeed", **raw}, validate_components=False)
+    return validation.from_dict({"backend": "deepspeed", **raw}, validate_components=False)
 
 
 def test_batch_accumulation_and_clipping_come_from_the_spec() -> None:
@@ -143,7 +144,7 @@ def test_bad_deepspeed_tables_name_the_field(raw: dict, message: str) -> None:
 
 def test_deepspeed_table_needs_backend_deepspeed() -> None:
     with pytest.raises(SpecError, match="deepspeed: only used with backend 'deepspeed', not 'ddp'"):
-        spec_mod.from_dict({"backend": "ddp", "deepspeed": {"stage": 3}}, validate_components=False)
+        validation.from_dict({"backend": "ddp", "deepspeed": {"stage": 3}}, validate_components=False)
 
 
 def test_skipping_nonfinite_steps_needs_zero_stage_0() -> None:

@@ -7,16 +7,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from polytrain import spec as spec_mod  # noqa: E402
+from polytrain import validation  # noqa: E402
 from polytrain.adapters.torch.backend import check_fp16_runs  # noqa: E402
 from polytrain.adapters.torch.framework import TorchFramework  # noqa: E402
 from polytrain.adapters.torch.local import LocalBackend  # noqa: E402
-from polytrain.protocols import DatasetInfo  # noqa: E402
+from polytrain.data.source import DatasetInfo  # noqa: E402
 from polytrain.world import World  # noqa: E402
 
 
 def framework(precision: str) -> TorchFramework:
-    spec = spec_mod.from_dict({"precision": precision, "model": {"params": {"hidden_sizes": [8]}}})
+    spec = validation.from_dict({"precision": precision, "model": {"params": {"hidden_sizes": [8]}}})
     backend = LocalBackend(spec, World())
     backend.setup()
     fw = TorchFramework(spec, World(), backend)

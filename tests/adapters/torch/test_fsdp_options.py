@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from polytrain import spec as spec_mod  # noqa: E402
+from polytrain import validation  # noqa: E402
 from polytrain.adapters.torch.fsdp import RESHARD_AFTER_FORWARD, find_unit_classes, mesh_shape  # noqa: E402
 from polytrain.adapters.torch.transformer import Block, TransformerLM  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
@@ -59,11 +59,11 @@ def test_model_without_declared_blocks_is_one_unit() -> None:
 
 
 def test_fsdp_table_is_checked() -> None:
-    ok = spec_mod.from_dict({"backend": "fsdp", "fsdp": {"sharding": "hybrid_shard", "units": ["Block"],
-                                                         "activation_checkpointing": True}},
-                            validate_components=False)
+    ok = validation.from_dict({"backend": "fsdp", "fsdp": {"sharding": "hybrid_shard", "units": ["Block"],
+                                                           "activation_checkpointing": True}},
+                              validate_components=False)
     assert ok.fsdp.units == ("Block",) and ok.fsdp.activation_checkpointing
     with pytest.raises(SpecError, match="fsdp.sharding: 'zero3' is not allowed"):
-        spec_mod.from_dict({"backend": "fsdp", "fsdp": {"sharding": "zero3"}}, validate_components=False)
+        validation.from_dict({"backend": "fsdp", "fsdp": {"sharding": "zero3"}}, validate_components=False)
     with pytest.raises(SpecError, match="fsdp: only used with backend 'fsdp', not 'auto'"):
-        spec_mod.from_dict({"fsdp": {"cpu_offload": True}}, validate_components=False)
+        validation.from_dict({"fsdp": {"cpu_offload": True}}, validate_components=False)

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from polytrain import spec as spec_mod  # noqa: E402
+from polytrain import validation  # noqa: E402
 from polytrain.adapters.torch.transformer import TransformerLM  # noqa: E402
 from polytrain.data import load_dataset, token_corpus  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
@@ -48,15 +48,15 @@ def test_too_long_sequence_is_refused() -> None:
 
 def test_heads_must_divide_width() -> None:
     with pytest.raises(SpecError, match="model.params.n_heads: 3 does not divide d_model 16"):
-        spec_mod.from_dict({"model": {"name": "transformer", "params": {"d_model": 16, "n_heads": 3}},
-                            "data": {"name": "tokens"}})
+        validation.from_dict({"model": {"name": "transformer", "params": {"d_model": 16, "n_heads": 3}},
+                              "data": {"name": "tokens"}})
 
 
 def test_transformer_and_token_data_go_together() -> None:
     with pytest.raises(SpecError, match="model.name: 'transformer' needs data.name 'tokens'"):
-        spec_mod.from_dict({"model": {"name": "transformer"}})
+        validation.from_dict({"model": {"name": "transformer"}})
     with pytest.raises(SpecError, match="data.name: 'tokens' needs model.name 'transformer'"):
-        spec_mod.from_dict({"data": {"name": "tokens"}})
+        validation.from_dict({"data": {"name": "tokens"}})
 
 
 def test_corpus_is_deterministic_and_follows_its_rule() -> None:
@@ -76,8 +76,8 @@ def test_corpus_is_deterministic_and_follows_its_rule() -> None:
 
 
 def test_token_dataset_is_next_token_prediction() -> None:
-    spec = spec_mod.from_dict({"model": {"name": "transformer"},
-                               "data": {"name": "tokens", "tokens": {"samples": 100, "seq_len": 10, "vocab": 7}}})
+    spec = validation.from_dict({"model": {"name": "transformer"},
+                                 "data": {"name": "tokens", "tokens": {"samples": 100, "seq_len": 10, "vocab": 7}}})
     data = load_dataset(spec.data, seed=0)
     assert data.info.task == "next_token" and data.info.num_outputs == 7 and data.info.input_shape == (10,)
     assert len(data.x_train) + len(data.x_val) == 100 and len(data.x_val) == 20
