@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polytrain import registry
-from polytrain import spec as spec_mod
+from polytrain import registry, validation
 from polytrain.errors import SpecError
 from polytrain.protocols import UserCode
 from polytrain.spec import TrainSpec
+from polytrain.spec_files import load_raw
 from polytrain.trainer import Trainer, TrainResult
 from polytrain.user_code import LIVE_PREFIX
 from polytrain.world import World
@@ -29,7 +29,7 @@ def _raw(spec: str | Path | Mapping[str, Any] | TrainSpec) -> dict[str, Any]:
     if isinstance(spec, TrainSpec):
         return spec.to_dict()
     if isinstance(spec, (str, Path)):
-        return spec_mod.load_raw(spec)
+        return load_raw(spec)
     if isinstance(spec, Mapping):
         return dict(spec)
     raise SpecError(f"spec: expected a path, a dict or a TrainSpec, got {type(spec).__name__}")
@@ -59,7 +59,8 @@ def _metrics(metrics: Sequence[str | Callable[..., Any]]) -> tuple[tuple[str, ..
 def fit(spec: str | Path | Mapping[str, Any] | TrainSpec, *, model: Any = None, train_data: Any = None,
         val_data: Any = None, loss: Callable[..., Any] | str | None = None,
         metrics: Sequence[str | Callable[..., Any]] | None = None, callbacks: Sequence[Any] | None = None,
-        world: World | None = None, resume: str | None = None, show_progress: bool = True) -> TrainResult:
+        world: World | None = None, resume: str | None = None, show_progress: bool = True,
+        accept_changed_data: bool = False, overwrite_checkpoints: bool = False) -> TrainResult:
     """Train ``spec`` (a YAML/TOML/JSON path, a dict or a `TrainSpec`) with live objects in place of its names.
 
     ``model``: a ``torch.nn.Module`` (framework torch) or ``keras.Model`` (tensorflow), built the same way
@@ -68,7 +69,17 @@ def fit(spec: str | Path | Mapping[str, Any] | TrainSpec, *, model: Any = None, 
     map-style dataset (``__len__``, ``__getitem__`` → ``(x, y)``; a torch ``Dataset`` of tensors and an HF
     ``datasets.Dataset`` work); without ``val_data`` the training data is split by ``data.val_fraction``;
     ``loss``: a built-in name or a callable ``(outputs, targets)`` → one loss per sample; ``metrics``: names
-    or such callables; ``callbacks``: objects with the hooks of `polytrain.callbacks`. Every rank calls it.
+    or such callables; ``callbacks``: objects with the hooks of `polytrain.callbacks`; ``resume``: ``"auto"`` or
+    a checkpoint (as ``--resume``), refused when the data changed since it unless ``accept_changed_data`` (the
+    epoch then starts over); ``overwrite_checkpoints``: move another run's checkpoints in ``checkpoint.dir``
+    aside (into ``superseded-…/``) instead of refusing to start. Every rank calls it.
+
+    When it returns or raises, everything it started has ended (process groups, stores, threads). The result's
+    ``model`` is the trained model, plain and on the CPU (no hook or tensor bound to the finished job): the
+    ``model`` given, trained — backends that remake a module (fsdp, deepspeed, horovod, tensor/pipeline
+    parallel) train a copy and load the outcome into it — or the one built. An exception raised in the
+    caller's loss, metric, callback or factory comes back as `polytrain.user_code.UserCodeError` naming the
+    hook, with the original as its ``__cause__``.
     """
     raw = _raw(spec)
     if val_data is not None and train_data is None:
@@ -87,13 +98,14 @@ def fit(spec: str | Path | Mapping[str, Any] | TrainSpec, *, model: Any = None, 
     if metrics is not None:
         raw["metrics"], live = _metrics(metrics)
         user = dataclasses.replace(user, metrics=live)
-    final = spec_mod.from_dict(raw)  # validated as a spec file is, with the live names in place
+    final = validation.from_dict(raw)  # validated as a spec file is, with the live names in place
     data = None
     if train_data is not None:
         from polytrain.data.live import data_from_objects
 
         data = data_from_objects(train_data, val_data, final.data, final.seed)
     trainer = Trainer(final, world, resume=resume, show_progress=show_progress, data=data,
-                      callbacks=callbacks or (),
+                      callbacks=callbacks or (), accept_changed_data=accept_changed_data,
+                      overwrite_checkpoints=overwrite_checkpoints,
                       framework_factory=lambda s, w, b: registry.create_framework(s, w, b, user=user))
     return trainer.fit()

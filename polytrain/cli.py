@@ -43,21 +43,26 @@ def _check_writable(flag: str, path: str) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from polytrain import spec as spec_mod
+    from polytrain import validation
 
-    spec = spec_mod.load(args.spec, args.set or ())
+    spec = validation.load(args.spec, args.set or ())
     if args.timeline:
         _check_writable("--timeline", args.timeline)
     if not args.debug:
         # torch's C++ side logs its own errors (with C++ stack frames) before raising them; polytrain
         # reports each failure in one line, so only fatal C++ messages stay (set the variable to see all).
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    if spec.framework == "tensorflow":  # each rank's copy of TensorFlow's start-up notices, unless asked for
+        from polytrain.tf_start import import_tensorflow_quietly
+
+        import_tensorflow_quietly()
     from polytrain.trainer import Trainer
 
     global _started, _trained
     _started = True
     Trainer(spec, show_progress=not args.quiet, resume=args.resume, timeline=args.timeline,
-            verbose=args.verbose).fit()
+            verbose=args.verbose, accept_changed_data=args.accept_changed_data,
+            overwrite_checkpoints=args.overwrite_checkpoints).fit()
     _trained = True
     return 0
 
@@ -121,7 +126,8 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     elif args.action == "convert":
         suffix = {"safetensors": ".safetensors", "torch": ".pt", "keras": ".weights.h5"}.get(args.to, "")
         out = Path(args.output) if args.output else Path(f"model{suffix}")
-        print(f"wrote {tools.convert(Path(args.path), args.to, out)}")
+        spec = Path(args.spec) if args.spec else None
+        print(f"wrote {tools.convert(Path(args.path), args.to, out, spec, args.set or [], args.trust_checkpoint)}")
     else:
         spec = Path(args.spec) if args.spec else None
         out = tools.import_weights(Path(args.path), spec, args.set or [], Path(args.output), args.trust_checkpoint,
@@ -153,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", nargs="?", const="auto", metavar="auto|PATH",
                        help="continue from a checkpoint: 'auto' (the default when given without a value) = the "
                             "newest complete one in checkpoint.dir; or a checkpoint directory")
+    train.add_argument("--accept-changed-data", action="store_true",
+                       help="with --resume: go on although the data changed since the checkpoint (different sample "
+                            "counts, files, sizes or times); its epoch starts over on the data as it is now")
+    train.add_argument("--overwrite-checkpoints", action="store_true",
+                       help="a new run into a checkpoint.dir that holds another run's checkpoints: move them into "
+                            "<checkpoint.dir>/superseded-<time>-<pid>/ (nothing is deleted) instead of refusing")
     train.add_argument("--timeline", metavar="FILE",
                        help="write a Chrome-trace timeline of every rank (compute, collectives, optimizer, data, "
                             "checkpoints) to FILE; open it in https://ui.perfetto.dev")
@@ -176,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert_p.add_argument("path")
     convert_p.add_argument("--to", required=True, choices=("safetensors", "torch", "keras"))
     convert_p.add_argument("-o", "--output", help="output file (default: model.<ext> here)")
+    convert_p.add_argument("--spec", help="--to keras: build the model from this spec (default: the checkpoint's own, "
+                                          "without importing code it names)")
+    convert_p.add_argument("--set", action="append", metavar="KEY=VALUE", help="--to keras: override a --spec field")
+    convert_p.add_argument("--trust-checkpoint", action="store_true",
+                           help="--to keras: import the model code the checkpoint's manifest names (only for "
+                                "checkpoints from a trusted source)")
     import_p = actions.add_parser("import", help="a DeepSpeed ZeRO checkpoint dir or a torch state_dict file")
     import_p.add_argument("path")
     import_p.add_argument("--spec", help="the spec the weights belong to (default: built-in defaults)")
@@ -242,6 +260,23 @@ def abort_mpi_job(code: int, show_traceback: bool = False) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+def failure_text(exc: UserError | TrainingFailure) -> str:
+    """What a failed command prints: one line; an exception in the user's code (`polytrain.user_code.call_user`)
+    gets the user's frames above it and, in a job of several processes, the rank it happened on."""
+    from polytrain.user_code import UserCodeError
+
+    if not isinstance(exc, UserCodeError):
+        return f"polytrain: error: {exc}"
+    try:
+        from polytrain.environments import detect_world
+
+        world = detect_world()
+        rank = f"rank {world.rank}: " if world.size > 1 else ""
+    except Exception:  # noqa: BLE001 - an unreadable environment only leaves the rank out
+        rank = ""
+    return exc.report(f"polytrain: {rank}")
+
+
 def _exit_board(code: int | None = None, exc: BaseException | None = None) -> None:
     """Under `polytrain launch` (it passes POLYTRAIN_EXIT_BOARD): record that this rank started (``code``
     None) or how it ended, so that launch can name the rank that failed (polytrain.launchers.exit_board)."""
@@ -272,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _exit_board(exc.exit_code, exc)
         if args.debug:
             raise
-        print(f"polytrain: error: {exc}", file=sys.stderr, flush=True)
+        print(failure_text(exc), file=sys.stderr, flush=True)
         abort_mpi_job(exc.exit_code)
         return exc.exit_code
     except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`: before Exception, its base class

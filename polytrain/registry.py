@@ -48,6 +48,9 @@ class BackendEntry:
     max_world: int | None = None
     #: the backend's option table (the spec's field named like the backend), if it has one
     options: type | None = None
+    #: what runs a model-parallel layout (spec ``parallel``: tensor/pipeline > 1) with this backend as its data
+    #: dimension ("module:callable", called as the target is); None: the backend does not combine with one
+    layout: str | None = None
 
     def unusable_reason(self) -> str | None:
         """Why this backend cannot run here, or None when it can."""
@@ -65,9 +68,10 @@ BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry("local", "torch", "polytrain.adapters.torch.local:LocalBackend", ("torch",), TORCH_HINT,
                  precisions=TORCH_PRECISIONS, max_world=1),
     BackendEntry("ddp", "torch", "polytrain.adapters.torch.ddp:DDPBackend", ("torch",), TORCH_HINT,
-                 precisions=TORCH_PRECISIONS),
+                 precisions=TORCH_PRECISIONS, layout="polytrain.adapters.torch.parallel.backend:ddp_layout"),
     BackendEntry("fsdp", "torch", "polytrain.adapters.torch.fsdp:FSDPBackend", ("torch",), TORCH_HINT,
-                 precisions=TORCH_PRECISIONS, options=FSDPSpec),
+                 precisions=TORCH_PRECISIONS, options=FSDPSpec,
+                 layout="polytrain.adapters.torch.parallel.backend:fsdp_layout"),
     BackendEntry("deepspeed", "torch", "polytrain.adapters.torch.deepspeed:DeepSpeedBackend",
                  ("torch", "deepspeed"), "pip install 'polytrain[torch,deepspeed]'", precisions=TORCH_PRECISIONS,
                  options=DeepSpeedSpec),
@@ -90,8 +94,9 @@ BACKENDS: tuple[BackendEntry, ...] = (
 
 @dataclass(frozen=True)
 class SourceEntry:
-    """A data source: ``data.name``, the function that opens it (``open(spec.data, seed) -> Data``), the
-    ``data.*`` fields it reads (any other non-default one is an error) and those it cannot do without."""
+    """A data source: ``data.name`` (the rows' names are the values it takes), the function that opens it
+    (``open(spec.data, seed) -> Data``), the ``data.*`` fields it reads (any other non-default one is an error)
+    and those it cannot do without."""
 
     name: str
     target: str
@@ -105,7 +110,7 @@ _FILES = ("path", "val_path")
 SOURCES: tuple[SourceEntry, ...] = (
     SourceEntry("digits", "polytrain.data.sources:open_arrays"),
     SourceEntry("synthetic", "polytrain.data.sources:open_arrays", uses=("synthetic",)),
-    SourceEntry("npz", "polytrain.data.sources:open_arrays", uses=("path",), required=("path",)),
+    SourceEntry("npz", "polytrain.data.sources:open_arrays", uses=("path", "classes"), required=("path",)),
     SourceEntry("tokens", "polytrain.data.sources:open_arrays", uses=("tokens",)),
     SourceEntry("parquet", "polytrain.data.parquet_images:open_parquet_data",
                 uses=(*_FILES, "features", "label", "classes", "shuffle_window", "image_size", "channels", "mean", "std",
@@ -125,6 +130,11 @@ SOURCES: tuple[SourceEntry, ...] = (
 
 def source(name: str) -> SourceEntry:
     return next(entry for entry in SOURCES if entry.name == name)
+
+
+def source_names() -> tuple[str, ...]:
+    """The values ``data.name`` takes, in the order of the rows."""
+    return tuple(entry.name for entry in SOURCES)
 
 
 def open_data(spec: TrainSpec) -> Data:
@@ -175,12 +185,18 @@ def all_backend_names() -> list[str]:
     return sorted({b.name for b in BACKENDS})
 
 
+def layout_backends(framework: str) -> tuple[str, ...]:
+    """The backends of ``framework`` that can be the data dimension of a model-parallel layout (their row names a
+    ``layout``)."""
+    return tuple(b.name for b in BACKENDS if b.framework == framework and b.layout is not None)
+
+
 def option_tables() -> dict[str, type]:
     """Backend name → its option table, for every backend that has one."""
     return {b.name: b.options for b in BACKENDS if b.options is not None}
 
 
-def _check_precision(name: str, entry: BackendEntry, precision: str) -> None:
+def check_precision(name: str, entry: BackendEntry, precision: str) -> None:
     if precision not in entry.precisions:
         raise SpecError(
             f"precision: {precision!r} is not supported on backend {name!r} "
@@ -192,26 +208,6 @@ def _import(target: str) -> Any:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def validate(spec: TrainSpec) -> None:
-    """Check the names in a spec against what exists (not against what is installed)."""
-    from polytrain import objectives, zoo
-
-    zoo.model_params(spec.model.name, spec.model.params)
-    objectives.check_names(spec.loss, spec.metrics)
-    if spec.framework not in AUTO_RULES:
-        raise SpecError(f"framework: {spec.framework!r} has no backend in this version "
-                        f"(allowed: {', '.join(AUTO_RULES)})")
-    known = backends_for(spec.framework)
-    if spec.backend != "auto" and spec.backend not in known:
-        others = [b.framework for b in BACKENDS if b.name == spec.backend]
-        why = f" (it exists for {', '.join(others)})" if others else ""
-        raise SpecError(
-            f"backend: {spec.backend!r} is not available for framework {spec.framework!r}{why}; "
-            f"allowed: auto, {', '.join(known)}")
-    if spec.backend != "auto":
-        _check_precision(spec.backend, known[spec.backend], spec.precision)
-
-
 def resolve_backend_name(spec: TrainSpec, world: World) -> str:
     name = AUTO_RULES[spec.framework](world) if spec.backend == "auto" else spec.backend
     entry = backends_for(spec.framework)[name]
@@ -220,11 +216,8 @@ def resolve_backend_name(spec: TrainSpec, world: World) -> str:
         raise SpecError(
             f"backend: {name!r} runs with {entry.min_world}..{limit} processes, but the launcher "
             f"({world.launcher}) started {world.size}; use backend 'auto' or a distributed backend")
-    _check_precision(name, entry, spec.precision)
+    check_precision(name, entry, spec.precision)
     return name
-
-
-PARALLEL_TARGET = "polytrain.adapters.torch.parallel.backend:ParallelBackend"
 
 
 def create_backend(spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
@@ -238,13 +231,12 @@ def create_backend(spec: TrainSpec, world: World, *, timeline: Timeline | None =
     if reason:
         raise BackendUnavailableError(f"backend: {name!r} cannot run here: {reason}")
     target = entry.target
-    if spec.parallel.model_parallel:  # tensor/pipeline parallel, with ddp or fsdp as the data dimension
-        from polytrain.layout import DATA_BACKENDS
-
-        if name not in DATA_BACKENDS:
+    if spec.parallel.model_parallel:  # tensor/pipeline parallel: this backend is the layout's data dimension
+        if entry.layout is None:  # a name given in the spec was checked with it; auto chose this one
+            combine = " or ".join(layout_backends(spec.framework))
             raise SpecError(f"backend: {name!r} (chosen by auto) does not combine with parallel.tensor/pipeline; "
-                            f"set backend: ddp or fsdp")
-        target = PARALLEL_TARGET
+                            f"set backend: {combine}")
+        target = entry.layout
     return _import(target)(spec, world, timeline=timeline or NULL, activity=activity)
 
 

@@ -4,6 +4,8 @@ model parameters and the backends' option tables.
 A dataclass declares its fields with type hints and, where a value is constrained, ``rule(default,
 choices=..., min=..., max=...)``. `build(cls, raw, prefix)` turns a mapping into an instance or raises
 a `SpecError` whose one-line message names the field by its dotted path and says what is allowed.
+Choices that a dataclass cannot hold (names kept in a registry the dataclass's module must not import) are
+given to `build` by dotted path.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def coerce(value: Any, tp: Any, where: str) -> Any:
+def coerce(value: Any, tp: Any, where: str, choices: Mapping[str, Sequence[Any]] | None = None) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -79,14 +81,14 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return coerce(value, arg, where)
+                return coerce(value, arg, where, choices)
             except SpecError:
                 continue
         raise SpecError(f"{where}: expected {type_name(tp)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise SpecError(f"{where}: expected a table of {field_list(tp)}, got {value!r}")
-        return build(tp, value, where)
+        return build(tp, value, where, choices)
     if origin is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
@@ -156,7 +158,10 @@ def field_list(cls: type) -> str:
     return ", ".join(f.name for f in dataclasses.fields(cls))
 
 
-def build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
+def build(cls: type, raw: Mapping[str, Any], prefix: str,
+          choices: Mapping[str, Sequence[Any]] | None = None) -> Any:
+    """An instance of ``cls`` from ``raw``; ``choices``: allowed values by dotted path (``data.name``), checked
+    as a field's own ``choices`` are, in the same order."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
@@ -168,8 +173,11 @@ def build(cls: type, raw: Mapping[str, Any], prefix: str) -> Any:
     kwargs = {}
     for name, value in raw.items():
         where = f"{prefix}.{name}" if prefix else name
-        coerced = coerce(value, hints[name], where)
-        check_rule(coerced, fields[name].metadata, where)
+        coerced = coerce(value, hints[name], where, choices)
+        meta = fields[name].metadata
+        if choices is not None and where in choices:
+            meta = {**meta, "choices": choices[where]}
+        check_rule(coerced, meta, where)
         kwargs[name] = coerced
     return cls(**kwargs)
 

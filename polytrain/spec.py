@@ -1,15 +1,15 @@
-"""TrainSpec: one training specification, frozen, validated, framework- and backend-neutral.
+"""TrainSpec: one training specification, frozen, framework- and backend-neutral.
 
-A spec is loaded from YAML, TOML, JSON or a dict. Every invalid input raises a
-`SpecError` whose one-line message names the field (``optimizer.lr``) and what is
-allowed. Validation is driven by the dataclass fields themselves: their type hints
-plus a small ``metadata`` rule (``choices``, ``min``, ``max``) per field (`polytrain.schema`).
-Backends' option tables live in `polytrain.backend_options`, named by their registry rows.
+What a spec is: its tables as dataclasses, each field's type hint and ``metadata`` rule (``choices``,
+``min``, ``max``; `polytrain.schema`), and `parse`, which builds a spec from plain data checking each field
+on its own. A spec is loaded from YAML, TOML, JSON or a dict by `polytrain.validation`, which adds the rules
+across fields and the names checked against the registry; every invalid input raises a `SpecError` whose
+one-line message names the field (``optimizer.lr``) and what is allowed. Backends' option tables live in
+`polytrain.backend_options`, named by their registry rows.
 """
 
 from __future__ import annotations
 
-import glob
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +19,7 @@ from polytrain import schema
 from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import SpecError
 from polytrain.layout import ParallelSpec
-from polytrain.layout import check_spec as check_parallel
 from polytrain.schema import rule
-from polytrain.spec_files import apply_overrides, load_raw
 
 FRAMEWORKS = ("torch", "tensorflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -62,10 +60,8 @@ class AugmentSpec:
     horizontal_flip: bool = False  # flip half the images left-right
 
 
-#: Source names (see `polytrain.data.sources`, one row each).
-DATA_SOURCES = ("digits", "synthetic", "npz", "tokens", "parquet", "csv", "images", "token_file", "dataset")
-
-
+#: the largest data.image_size side (an image of 16384² RGB pixels is 3 GiB as float32)
+MAX_IMAGE_SIDE = 16384
 #: data fields that say how samples are read, not which: never part of the model digest
 READING_FIELDS = ("batch_size", "global_batch_size", "workers", "prefetch", "worker_kind")
 #: data fields added after checkpoints existed: in the model digest only when set, so older checkpoints resume
@@ -75,7 +71,7 @@ LATER_DATA_FIELDS = ("val_path", "features", "label", "classes", "shuffle_window
 
 @dataclass(frozen=True)
 class DataSpec:
-    name: str = rule("digits", choices=DATA_SOURCES)
+    name: str = "digits"  # a data source: one of `polytrain.registry.SOURCES` (given to `parse`)
     # npz: the file; parquet/csv/images/token_file: a file, directory or glob (split by val_fraction
     # unless val_path names the validation data)
     path: str | None = None
@@ -90,12 +86,13 @@ class DataSpec:
     # parquet / csv: feature columns (several scalar columns, or one column of fixed-size arrays) and the label
     features: tuple[str, ...] | None = None
     label: str | None = None
-    # classification: number of classes (default: the image folders, or the largest label + 1)
+    # classification: number of classes (default: the image folders, or the largest label + 1, below 2**20)
     classes: int | None = rule(None, min=2)
     # parquet: row groups whose rows are shuffled together (the epoch's order permutes row groups, then rows
     # within each window of this many)
     shuffle_window: int = rule(4, min=1)
-    # images: every image is resized to [height, width]; channels 1 (grey) or 3 (RGB); per-channel mean/std
+    # images: every image is resized to [height, width] (1..MAX_IMAGE_SIDE); channels 1 (grey) or 3 (RGB);
+    # per-channel mean/std
     image_size: tuple[int, int] | None = None
     channels: int = rule(3, choices=(1, 3))
     mean: tuple[float, ...] | None = None
@@ -107,8 +104,9 @@ class DataSpec:
     vocab: int | None = rule(None, min=2)
     # dataset: package.module:function returning a map-style dataset (__len__, __getitem__ -> (x, y))
     factory: str | None = None
-    # package.module:function applied to each numpy batch (x, y) -> (x, y) in the data workers; it may take
-    # an ``rng`` keyword (a numpy Generator seeded by seed, epoch, step and micro-step)
+    # package.module:function (x, y) -> (x, y) on numpy batches in the data workers. Randomness is per sample,
+    # seeded by (seed, epoch, sample index): one taking ``rng`` is called once per sample (a batch of one, that
+    # sample's Generator); one taking ``rngs`` gets the whole batch and a Generator per sample
     transform: str | None = None
     workers: int = rule(2, min=0)  # background reader threads (0: read in the training loop)
     # images: decode in `workers` processes (auto: whenever workers > 0) or in the reader threads
@@ -263,114 +261,10 @@ def field_paths() -> list[str]:
     return schema.field_paths(TrainSpec)
 
 
-def _check_combinations(spec: TrainSpec) -> None:
-    """Rules that involve more than one field."""
-    _check_data(spec.data)
-    if spec.optimizer.nesterov and (spec.optimizer.name != "sgd" or spec.optimizer.momentum <= 0):
-        raise SpecError("optimizer.nesterov: needs optimizer.name 'sgd' and optimizer.momentum > 0")
-    for i, beta in enumerate(spec.optimizer.betas):
-        if not 0.0 <= beta < 1.0:
-            raise SpecError(f"optimizer.betas[{i}]: {beta!r} is out of range (must be in [0, 1))")
-    if spec.schedule.min_lr >= spec.optimizer.lr:
-        raise SpecError(f"schedule.min_lr: {spec.schedule.min_lr!r} must be below optimizer.lr {spec.optimizer.lr!r}")
-    if spec.schedule.warmup_epochs > spec.loop.epochs:
-        raise SpecError(f"schedule.warmup_epochs: {spec.schedule.warmup_epochs!r} exceeds loop.epochs {spec.loop.epochs}")
-    _check_tokens(spec)
-    _check_backend_options(spec)
-    _check_torch_only(spec)
-    check_parallel(spec.parallel, framework=spec.framework, backend=spec.backend,
-                   batch_size=None if spec.data.global_batch_size else spec.data.batch_size)
-    if spec.parallel.model_parallel and spec.model.name == "transformer":
-        from polytrain import layout, zoo
-
-        params = zoo.model_params("transformer", spec.model.params)
-        layout.check_transformer(spec.parallel, params.n_heads, params.d_ff or 4 * params.d_model, params.tie_weights)
-
-
-def _check_data(data: DataSpec) -> None:
-    """The data.* fields the source reads (a registry row's ``uses``/``required``), and that named files exist."""
-    from polytrain.registry import SOURCES, source
-
-    entry, default = source(data.name), DataSpec(name=data.name)
-    for name in sorted({f for row in SOURCES for f in row.uses}):
-        if name not in entry.uses and getattr(data, name) != getattr(default, name):
-            users = ", ".join(row.name for row in SOURCES if name in row.uses)
-            raise SpecError(f"data.{name}: only used with data.name {users}, not {data.name!r}")
-    if data.worker_kind == "processes" and (data.name != "images" or data.workers == 0):
-        raise SpecError("data.worker_kind: processes decode images (data.name images, data.workers 1 or more); "
-                        f"data.name {data.name!r} with data.workers {data.workers} reads in threads (auto or threads)")
-    for name in entry.required:
-        if getattr(data, name) is None:
-            raise SpecError(f"data.{name}: required when data.name is {data.name!r}")
-    for name in ("path", "val_path"):
-        value = getattr(data, name)
-        if value is not None and not (glob.has_magic(value) or _exists(value)):
-            raise SpecError(f"data.{name}: file not found: {schema.shown(value)}")
-    if data.name == "npz" and data.path and not Path(data.path).is_file():
-        raise SpecError(f"data.path: file not found: {schema.shown(data.path)}")
-
-
-def _exists(path: str) -> bool:
-    try:
-        return Path(path).exists()
-    except OSError:  # a name longer than the file system allows, say: no such file either
-        return False
-
-
-def _check_tokens(spec: TrainSpec) -> None:
-    """Token data and the transformer LM go together (a custom factory may take token data too)."""
-    token_data = spec.data.name in ("tokens", "token_file")
-    if spec.model.name == "transformer" and not token_data:
-        raise SpecError(f"model.name: 'transformer' needs data.name 'tokens' or 'token_file', not {spec.data.name!r}")
-    if token_data and spec.model.name in ("mlp", "convnet"):
-        raise SpecError(f"data.name: {spec.data.name!r} needs model.name 'transformer' or a factory, "
-                        f"not {spec.model.name!r}")
-
-
-def _check_torch_only(spec: TrainSpec) -> None:
-    """Activation checkpointing and compile: PyTorch's, on blocks the model declares."""
-    if spec.compile.mode != "default" and not spec.compile.enabled:
-        raise SpecError(f"compile.mode: only used with compile.enabled: true (got mode {spec.compile.mode!r})")
-    if spec.framework == "tensorflow":
-        if spec.activation_checkpointing:
-            raise SpecError("activation_checkpointing: PyTorch-only; framework 'tensorflow' has no equivalent here "
-                            "(remove it, or use framework 'torch')")
-        if spec.compile.enabled:
-            raise SpecError("compile.enabled: torch.compile is PyTorch-only; framework 'tensorflow' already runs "
-                            "its step as a compiled tf.function (remove it, or use framework 'torch')")
-    checkpointing = spec.activation_checkpointing or spec.fsdp.activation_checkpointing
-    if checkpointing and spec.model.name in ("mlp", "convnet") and spec.fsdp.units is None:
-        which = "activation_checkpointing" if spec.activation_checkpointing else "fsdp.activation_checkpointing"
-        raise SpecError(f"{which}: model {spec.model.name!r} declares no blocks to checkpoint; use model "
-                        "'transformer', a factory whose model has block_classes, or name classes in fsdp.units "
-                        "(backend fsdp)")
-
-
-def _check_backend_options(spec: TrainSpec) -> None:
-    """Each backend's option table (a registry row's ``options``): only with its backend, then its own rules."""
-    from polytrain.registry import option_tables
-
-    for table, options in option_tables().items():
-        value = getattr(spec, table)
-        if value != options() and spec.backend != table:
-            raise SpecError(f"{table}: only used with backend {table!r}, not {spec.backend!r}")
-        value.check(spec)
-
-
-def from_dict(raw: Mapping[str, Any], *, validate_components: bool = True) -> TrainSpec:
-    """Build and validate a TrainSpec from plain data."""
+def parse(raw: Mapping[str, Any], *, data_sources: Sequence[str]) -> TrainSpec:
+    """A TrainSpec from plain data, each field checked on its own (type, range, choices); ``data_sources``: the
+    values ``data.name`` takes (the registry's rows). The rules across fields and the names checked against
+    the registry are `polytrain.validation`'s: load a spec through it."""
     if not isinstance(raw, Mapping):
         raise SpecError(f"spec: expected a table at the top level, got {type(raw).__name__}")
-    spec = schema.build(TrainSpec, raw, "")
-    _check_combinations(spec)
-    if validate_components:
-        from polytrain import registry
-
-        registry.validate(spec)
-    return spec
-
-
-def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainSpec:
-    """Load a spec file (or the defaults when ``path`` is None) and apply ``--set`` overrides."""
-    raw = load_raw(path) if path is not None else {}
-    return from_dict(apply_overrides(raw, overrides))
+    return schema.build(TrainSpec, raw, "", choices={"data.name": tuple(data_sources)})

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from procs import read_metrics
 
 import polytrain
 from polytrain.callbacks import Callback
@@ -79,7 +80,7 @@ def test_fit_takes_a_map_style_dataset_and_separate_validation_data(tmp_path: Pa
     result = polytrain.fit({**SPEC, "output": str(tmp_path)}, model=small_net(), train_data=Pairs(slice(0, 1500)),
                            val_data=Pairs(slice(1500, None)), show_progress=False)
     assert result.val_accuracy >= 0.85  # the last 297 digits (other writers than most of the first 1500)
-    epochs = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["event"] == "epoch"]
+    epochs = read_metrics(tmp_path, "epoch")
     assert len(epochs) == 4 and result.global_step == 4 * 47  # 1500 samples in batches of 32, none held out
 
 

@@ -216,7 +216,34 @@ CASES: tuple[Case, ...] = (
               ("fsdp: only used with backend 'fsdp'", "not 'ddp'")),
     spec_case("spec-deepspeed-offload-param-stage", "backend: deepspeed\ndeepspeed: {stage: 2, offload_param: true}\n",
               ("deepspeed.offload_param", "needs deepspeed.stage 3")),
+    # issue 26 item 7: a layout the zoo model cannot take, refused before any process starts
+    spec_case("spec-pipeline-stages-beyond-blocks",
+              "model: {name: transformer, params: {tie_weights: false}}\ndata: {name: tokens}\nbackend: ddp\n"
+              "parallel: {pipeline: 4}\n",
+              ("parallel.pipeline", "4 stages need at least 4 blocks", "declares 2 (model.params.n_layers)")),
+    spec_case("spec-stage-boundaries-past-last-block",
+              "model: {name: transformer, params: {tie_weights: false}}\ndata: {name: tokens}\nbackend: ddp\n"
+              "parallel: {pipeline: 2, stage_boundaries: [2]}\n",
+              ("parallel.stage_boundaries", "cut past the model's 2 blocks", "each boundary must be below 2")),
+    spec_case("spec-tensor-parallel-without-plan", "backend: ddp\nparallel: {tensor: 2}\n",
+              ("parallel.tensor", "model 'mlp' has no tensor-parallel plan", "give parallel.tensor_plan")),
     spec_case("spec-npz-without-path", "data: {name: npz}\n", ("data.path", "required when data.name is 'npz'")),
+    spec_case("spec-image-size-negative", "data: {name: images, path: ., image_size: [-4, 8]}\n",  # issue 26
+              ("data.image_size[0]", "-4 is out of range", "must be 1..16384 pixels")),
+    spec_case("spec-feature-is-the-label", "data: {name: csv, path: ., features: [a, y], label: y}\n",
+              ("data.features", "'y' is also data.label", "leave it out of data.features")),
+    Case("data-csv-nan-feature", "spec", ("train", "--quiet", "{tmp}/spec.yaml", "--set", "output={tmp}/out"),
+         ("data.features: row 2 of t.csv has 'nan' in 'a'", "values must be finite numbers"),
+         files={"spec.yaml": "backend: local\ndata: {name: csv, path: t.csv, features: [a], label: y, val_fraction: 0, "
+                             "workers: 0}\n", "t.csv": "a,y\n1,0\nnan,1\n3,0\n"}),
+    Case("data-csv-huge-label", "spec", ("train", "--quiet", "{tmp}/spec.yaml", "--set", "output={tmp}/out"),
+         ("data.label: t.csv has label 1099511627776", "without data.classes labels must be below 1048576",
+          "set data.classes"),
+         files={"spec.yaml": "backend: local\ndata: {name: csv, path: t.csv, features: [a], label: y}\n",
+                "t.csv": "a,y\n1,0\n2,1099511627776\n"}),
+    spec_case("spec-metrics-same-key", "metrics: ['json:loads', 'pickle:loads']\n",  # issue 26: logs overwrote
+              ("metrics[1]", "would be logged as val_loads, like metrics[0] 'json:loads'",
+               "give each metric function its own name")),
     Case("spec-npz-path-is-a-npy-array", "spec",  # issue 16 item 9: was a TypeError traceback
          ("train", "--quiet", "{tmp}/spec.yaml", "--set", "output={tmp}/out", "--set", "data.path={tmp}/x.npy"),
          ("data.path", "x.npy is a single .npy array", "arrays named 'x' and 'y'"),

@@ -79,7 +79,8 @@ def test_train_hands_the_spec_and_flags_to_the_trainer(tmp_path: Path, trainer: 
     (made,) = trainer.made
     assert made.fitted == 1
     assert (made.spec.loop.epochs, made.spec.optimizer.lr, made.spec.data.batch_size) == (3, 0.3, 16)  # last --set wins
-    assert made.options == {"show_progress": False, "resume": None, "timeline": str(timeline), "verbose": True}
+    assert made.options == {"show_progress": False, "resume": None, "timeline": str(timeline), "verbose": True,
+                            "accept_changed_data": False, "overwrite_checkpoints": False}
 
 
 @pytest.mark.parametrize("argv,resume", [
@@ -322,6 +323,7 @@ REPORT: dict[str, Any] = {
     "packages": {"torch": "2.13.0", "tensorflow": None},
     "launchers": {"torchrun": "/venv/bin/torchrun", "srun": None},
     "mpi_library": None,
+    "mpi_library_error": None,
     "horovod_build": {"version": "0.28.1", "frameworks": {"PyTorch": True, "TensorFlow": False},
                       "built": {"mpi": True, "gloo": False}},
     "accelerators": {"cuda": None, "nccl": None},
@@ -390,10 +392,10 @@ def test_checkpoint_convert_names_its_default_output_by_format(monkeypatch: pyte
                                                                flags: list[str], written: str) -> None:
     from polytrain import checkpoint_tools as tools
 
-    calls: list[tuple[Path, str, Path]] = []
-    monkeypatch.setattr(tools, "convert", lambda path, fmt, out: calls.append((path, fmt, out)) or out)
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(tools, "convert", lambda path, fmt, out, *rest: calls.append((path, fmt, out, *rest)) or out)
     assert cli.main(["checkpoint", "convert", "runs/x", "--to", to, *flags]) == 0
-    assert calls == [(Path("runs/x"), to, Path(written))]
+    assert calls == [(Path("runs/x"), to, Path(written), None, [], False)]  # no --spec, --set, --trust-checkpoint
     assert capsys.readouterr().out == f"wrote {written}\n"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from polytrain import registry
+from polytrain import registry, validation
 from polytrain import spec as spec_mod
 from polytrain.errors import BackendUnavailableError, SpecError, UserError
 from polytrain.timeline import NULL, Timeline
@@ -29,7 +29,7 @@ def world(size: int, launcher: str = "torchrun") -> World:
 
 
 def spec(**raw: Any) -> spec_mod.TrainSpec:
-    return spec_mod.from_dict(raw)
+    return validation.from_dict(raw)
 
 
 def missing(monkeypatch: pytest.MonkeyPatch, modules: Iterable[str]) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from polytrain import spec as spec_mod
+from polytrain import validation
 from polytrain.errors import SpecError
 
 BAD = [
@@ -57,13 +57,26 @@ BAD = [
     ({"loop": {"grad_clip_norm": 0}}, "loop.grad_clip_norm: 0.0 is out of range (must be > 0.0)"),
     ({"loop": {"max_steps": 0}}, "loop.max_steps: 0 is out of range (must be >= 1)"),
     ({"loop": {"epoch": 3}}, "loop.epoch: unknown field (did you mean 'epochs'?)"),
+    # two metrics logged under one key would overwrite each other's values (issue 26)
+    ({"metrics": ["json:loads", "pickle:loads"]},
+     "metrics[1]: 'pickle:loads' would be logged as val_loads, like metrics[0] 'json:loads'; give each metric "
+     "function its own name"),
+    ({"metrics": ["accuracy", "fit:accuracy"]}, "metrics[1]: 'fit:accuracy' would be logged as val_accuracy, like "
+     "metrics[0] 'accuracy'"),
+    ({"metrics": ["fit:loss"]}, "metrics[0]: 'fit:loss' would be logged as val_loss, the validation loss's key"),
+    ({"data": {"name": "images", "path": ".", "image_size": [-4, 8]}},
+     "data.image_size[0]: -4 is out of range (must be 1..16384 pixels)"),
+    ({"data": {"name": "images", "path": ".", "image_size": [8, 0]}}, "data.image_size[1]: 0 is out of range"),
+    ({"data": {"name": "images", "path": ".", "image_size": [8, 100000]}}, "data.image_size[1]: 100000 is out of range"),
+    ({"data": {"name": "csv", "path": ".", "features": ["a", "y"], "label": "y"}},
+     "data.features: 'y' is also data.label; the model would be given its own target (leave it out of data.features)"),
 ]
 
 
 @pytest.mark.parametrize("raw,message", BAD, ids=[m.split(":")[0] + f"-{i}" for i, (_, m) in enumerate(BAD)])
 def test_bad_spec_is_one_line_naming_the_field(raw: dict, message: str) -> None:
     with pytest.raises(SpecError) as info:
-        spec_mod.from_dict(raw)
+        validation.from_dict(raw)
     text = str(info.value)
     assert message in text
     assert "\n" not in text
@@ -71,11 +84,11 @@ def test_bad_spec_is_one_line_naming_the_field(raw: dict, message: str) -> None:
 
 def test_fp16_is_rejected_where_the_backend_has_no_loss_scaling() -> None:
     with pytest.raises(SpecError, match="precision: 'fp16' is not supported on backend 'mpi'"):
-        spec_mod.from_dict({"backend": "mpi", "precision": "fp16"})
+        validation.from_dict({"backend": "mpi", "precision": "fp16"})
 
 
 def test_defaults_and_types() -> None:
-    s = spec_mod.from_dict({"optimizer": {"name": "adam", "lr": 1}, "model": {"params": {"hidden_sizes": [8]}}})
+    s = validation.from_dict({"optimizer": {"name": "adam", "lr": 1}, "model": {"params": {"hidden_sizes": [8]}}})
     assert s.optimizer.lr == 1.0 and isinstance(s.optimizer.lr, float)
     assert s.optimizer.betas == (0.9, 0.999)
     assert s.loop.epochs == 10 and s.backend == "auto" and s.framework == "torch"
@@ -87,16 +100,16 @@ def test_yaml_toml_json_give_the_same_spec(tmp_path) -> None:
     (tmp_path / "a.yaml").write_text("optimizer:\n  name: adam\n  lr: 0.01\nloop: {epochs: 3}\n")
     (tmp_path / "a.toml").write_text("[optimizer]\nname = 'adam'\nlr = 0.01\n[loop]\nepochs = 3\n")
     (tmp_path / "a.json").write_text('{"optimizer": {"name": "adam", "lr": 0.01}, "loop": {"epochs": 3}}')
-    specs = [spec_mod.load(tmp_path / f"a.{ext}") for ext in ("yaml", "toml", "json")]
+    specs = [validation.load(tmp_path / f"a.{ext}") for ext in ("yaml", "toml", "json")]
     assert specs[0] == specs[1] == specs[2]
     assert specs[0].digest() == specs[2].digest()
 
 
 def test_overrides_parse_yaml_values() -> None:
-    s = spec_mod.load(None, ["optimizer.lr=0.2", "model.params.hidden_sizes=[4, 5]", "loop.grad_clip_norm=1"])
+    s = validation.load(None, ["optimizer.lr=0.2", "model.params.hidden_sizes=[4, 5]", "loop.grad_clip_norm=1"])
     assert s.optimizer.lr == 0.2 and s.model.params["hidden_sizes"] == [4, 5] and s.loop.grad_clip_norm == 1.0
     with pytest.raises(SpecError, match="--set 'optimizer.lr': expected KEY=VALUE"):
-        spec_mod.load(None, ["optimizer.lr"])
+        validation.load(None, ["optimizer.lr"])
 
 
 @pytest.mark.parametrize("text,suffix,message", [
@@ -109,12 +122,12 @@ def test_bad_files(tmp_path, text: str, suffix: str, message: str) -> None:
     path = tmp_path / f"bad{suffix}"
     path.write_text(text)
     with pytest.raises(SpecError, match=message):
-        spec_mod.load(path)
+        validation.load(path)
 
 
 def test_unknown_file_type(tmp_path) -> None:
     with pytest.raises(SpecError, match="unknown file type"):
-        spec_mod.load(tmp_path / "spec.ini")
+        validation.load(tmp_path / "spec.ini")
 
 
 def test_cli_bad_spec_exit_code_2_one_line_no_traceback(tmp_path) -> None:
@@ -134,9 +147,19 @@ def test_cli_bad_spec_exit_code_2_one_line_no_traceback(tmp_path) -> None:
 def test_model_digest_of_older_checkpoints_still_matches() -> None:
     """Checkpoints written before the file-source fields existed record these digests (computed with the
     code of 4e840f7); a spec that sets none of the new fields must match them, or --resume would refuse."""
-    assert spec_mod.from_dict({}).model_digest() == "57810a94a17734a1"
+    assert validation.from_dict({}).model_digest() == "57810a94a17734a1"
     tokens = {"data": {"name": "tokens"}, "model": {"name": "transformer"}}
-    assert spec_mod.from_dict(tokens).model_digest() == "bfd7d9bff36a1483"
-    reading = spec_mod.from_dict({"data": {"workers": 0, "prefetch": 5, "batch_size": 7}})
+    assert validation.from_dict(tokens).model_digest() == "bfd7d9bff36a1483"
+    reading = validation.from_dict({"data": {"workers": 0, "prefetch": 5, "batch_size": 7}})
     assert reading.model_digest() == "57810a94a17734a1"  # how samples are read is not which samples
-    assert spec_mod.from_dict({"data": {"transform": "json:loads"}}).model_digest() != "57810a94a17734a1"
+    assert validation.from_dict({"data": {"transform": "json:loads"}}).model_digest() != "57810a94a17734a1"
+
+
+def test_a_user_metric_named_like_a_built_in_one_is_refused(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_metrics_26.py").write_text("def accuracy(outputs, targets):\n    return outputs\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SpecError) as info:
+        validation.from_dict({"metrics": ["accuracy", "my_metrics_26:accuracy"]})
+    assert str(info.value) == ("metrics[1]: 'my_metrics_26:accuracy' would be logged as val_accuracy, like metrics[0] "
+                               "'accuracy'; give each metric function its own name")
+    validation.from_dict({"metrics": ["top5_accuracy", "my_metrics_26:accuracy"]})  # distinct keys pass

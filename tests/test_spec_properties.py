@@ -4,7 +4,7 @@ Generated inputs (hypothesis): arbitrary text put together from YAML/TOML/JSON s
 names, raw bytes, structured specs (real and made-up field paths holding values of any type: nested
 tables, lists, huge and non-finite numbers, unicode, empty strings) written as YAML, JSON and TOML,
 and arbitrary ``--set`` strings. Each goes through the function ``polytrain train`` loads a spec with
-(`polytrain.spec.load`) and must give a spec or a `UserError` whose message is one line; the CLI
+(`polytrain.validation.load`) and must give a spec or a `UserError` whose message is one line; the CLI
 (``polytrain.cli.main`` in-process, training replaced by a recorder) must return 0, or 2 with exactly
 one ``polytrain...: error:`` line on stderr.
 """
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from polytrain import cli
+from polytrain import cli, validation
 from polytrain import spec as spec_mod
 from polytrain import trainer as trainer_mod
 from polytrain.errors import UserError
@@ -171,7 +171,7 @@ def count(outcome: str) -> None:
 def load_outcome(path: Path | None, sets: list[str]) -> TrainSpec | str:
     """The loaded spec, or the UserError's message, which must be one line; anything else is raised."""
     try:
-        spec = spec_mod.load(path, sets)
+        spec = validation.load(path, sets)
     except UserError as exc:
         message = str(exc)
         assert message.strip() and "\n" not in message and "\r" not in message, repr(message)
