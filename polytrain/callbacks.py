@@ -21,14 +21,18 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polytrain import checkpoint as ckpt
+from polytrain import objectives
 from polytrain.errors import SpecError
 from polytrain.spec import TrainSpec
-from polytrain.user_code import load_callable
+from polytrain.user_code import call_user, load_callable, user_name
+from polytrain.world import World
 
 HOOKS = ("on_train_start", "on_step_end", "on_validation_end", "on_checkpoint", "on_train_end")
 
@@ -92,10 +96,11 @@ class CallbackList:
         self.callbacks, self.run = list(callbacks), run
 
     def call(self, hook: str, *args: Any) -> None:
+        """An exception a callback raises is reported by hook, callback class and the user's frames."""
         for callback in self.callbacks:
             fn = getattr(callback, hook, None)
             if callable(fn):
-                fn(self.run, *args)
+                call_user(f"callback {hook}", user_name(callback), fn, self.run, *args)
 
 
 def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
@@ -120,6 +125,8 @@ class EarlyStopping:
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
         self.best: float | None = None
         self.waited = 0
+        #: whether the run stopped: rank 0's `update` verdict as the Trainer broadcast it (the same on every rank)
+        self.stopped = False
 
     def update(self, logs: Mapping[str, Any]) -> bool:
         """Take one validation's record; returns whether training should stop now."""
@@ -131,26 +138,46 @@ class EarlyStopping:
         return self.waited >= self.patience
 
     def state(self) -> dict[str, Any]:
-        return {"best": self.best, "waited": self.waited}
+        """What a checkpoint records (its manifest's ``early_stopping``)."""
+        return {"best": self.best, "waited": self.waited, "stopped": self.stopped}
 
     def load(self, state: Mapping[str, Any] | None) -> None:
         if state:
             self.best, self.waited = state.get("best"), int(state.get("waited", 0))
+            self.stopped = bool(state.get("stopped"))
 
 
 class BestCheckpoints:
     """The ``save_top_k`` best checkpoints by ``monitor`` under ``root`` (rank 0 writes; ``index.json`` ranks
-    them). The Trainer asks `wants` with the reduced value, writes the checkpoint, then calls `keep`."""
+    them). The Trainer calls `start` with its run, asks `wants` with the reduced value, writes the checkpoint,
+    then calls `keep`.
+
+    An ``index.json`` is taken up only when it ranks the same monitor and mode for the same run (a resumed
+    run's own); another one is renamed ``index-<monitor>-<mode>-<time>.json`` at the first `keep`, and the
+    checkpoints it ranks are left alone: `keep` removes only what its own index ranked and its run wrote."""
 
     def __init__(self, root: Path, monitor: str, mode: str, top_k: int) -> None:
         self.root, self.monitor, self.mode, self.top_k = root, monitor, mode, top_k
-        self.entries: list[dict[str, Any]] = self._read()
+        self.owner = ckpt.Owner(None)
+        self.entries: list[dict[str, Any]] = []
+        self._foreign: dict[str, Any] | None = None  # an index found that is not this run's ranking
 
-    def _read(self) -> list[dict[str, Any]]:
+    def start(self, owner: ckpt.Owner) -> None:
+        """Take up the index under ``root`` if it is ``owner``'s run's ranking of this monitor and mode."""
+        self.owner, self.entries, self._foreign = owner, [], None
         try:
-            return list(json.loads((self.root / "index.json").read_text())["best"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return []
+            index = json.loads((self.root / "index.json").read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(index, dict):
+            return
+        # an index from before run ids is taken up by a run resumed from that time's checkpoints
+        ours = index[ckpt.RUN_KEY] == owner.run_id if ckpt.RUN_KEY in index else owner.legacy_digest is not None
+        best = index.get("best")
+        if ours and (index.get("monitor"), index.get("mode")) == (self.monitor, self.mode) and isinstance(best, list):
+            self.entries = [e for e in best if isinstance(e, dict) and {"path", "value"} <= set(e)]
+        else:
+            self._foreign = index
 
     def _ranked(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return sorted(entries, key=lambda e: e["value"], reverse=self.mode == "max")
@@ -167,12 +194,60 @@ class BestCheckpoints:
         others = [e for e in self.entries if e["path"] != path.name]
         ranked = self._ranked([*others, {"path": path.name, "step": step, "epoch": epoch, "value": value}])
         self.entries, dropped = ranked[:self.top_k], ranked[self.top_k:]
-        index = {"monitor": self.monitor, "mode": self.mode, "best": self.entries}
+        if self._foreign is not None and (self.root / "index.json").is_file():
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            name = f"index-{self._foreign.get('monitor')}-{self._foreign.get('mode')}-{stamp}.json"
+            (self.root / "index.json").replace(self.root / name)
+        self._foreign = None
+        index = {"monitor": self.monitor, "mode": self.mode, ckpt.RUN_KEY: self.owner.run_id, "best": self.entries}
         tmp = self.root / "index.json.tmp"
         tmp.write_text(json.dumps(index, indent=2))
         tmp.replace(self.root / "index.json")
         removed = []
         for entry in dropped:
-            shutil.rmtree(self.root / entry["path"], ignore_errors=True)
-            removed.append(self.root / entry["path"])
+            target = self.root / entry["path"]
+            if self.owner.owns(ckpt.read_manifest(target)):  # never another run's, whatever an index says
+                shutil.rmtree(target, ignore_errors=True)
+                removed.append(target)
         return removed
+
+
+@dataclass
+class RunHooks:
+    """What a run calls back into: the callbacks, and early stopping and the best checkpoints when the spec
+    asks for them (`set_up_callbacks`)."""
+
+    callbacks: CallbackList
+    early_stopping: EarlyStopping | None = None
+    best: BestCheckpoints | None = None
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.early_stopping is not None and self.early_stopping.stopped
+
+
+def set_up_callbacks(spec: TrainSpec, world: World, extra: Iterable[Any], task: str, validated: bool) -> RunHooks:
+    """The spec's callbacks then ``extra`` (the caller's objects), early stopping and the best checkpoints of a
+    run of ``task``, which has validation data when ``validated``. Monitored names are checked against what this
+    run logs: one-line errors before anything is built."""
+    extra = list(extra)
+    for i, obj in enumerate(extra):
+        check_callback(obj, f"callbacks[{i}]")
+    run = RunInfo(world.rank, world.size, world.local_rank, spec)
+    hooks = RunHooks(CallbackList([*load_callbacks(spec.callbacks or ()), *extra], run))
+    metrics = objectives.metric_names(spec.metrics, task)
+    val_names = {"val_loss", *(f"val_{objectives.metric_key(m)}" for m in metrics)}
+    logged = {"train_loss", *(val_names if validated else ())}
+    stopping, ck = spec.loop.early_stopping, spec.checkpoint
+    for field_name, monitor in (("loop.early_stopping.monitor", stopping.monitor), ("checkpoint.monitor", ck.monitor)):
+        if monitor in val_names and not validated:
+            raise SpecError(f"{field_name}: {monitor!r} needs validation data and this run has none "
+                            f"(data.val_fraction is 0 and no validation set was given); monitor train_loss, or "
+                            f"set data.val_fraction above 0")
+    if stopping.monitor is not None:
+        check_monitor("loop.early_stopping.monitor", stopping.monitor, logged)
+        hooks.early_stopping = EarlyStopping(stopping.monitor, stopping.mode, stopping.patience, stopping.min_delta)
+    if ck.monitor is not None:
+        check_monitor("checkpoint.monitor", ck.monitor, logged)
+        hooks.best = BestCheckpoints(spec.checkpoint_dir / "best", ck.monitor, ck.mode, ck.save_top_k)
+    return hooks

@@ -4,9 +4,12 @@ It talks only to a framework adapter (model, micro-steps) and a backend (collect
 both made by the registry from the spec; it sees numpy arrays and floats.
 
 Gradient averaging is exact for any split of a step's samples: each micro-batch's
-backward uses ``sum of sample losses × world_size / global_count``; backends average
+backward uses ``sum of sample losses × shards / global_count`` (shards: the world size, or a
+model-parallel layout's data dimension, `polytrain.protocols.DataShard`); backends average
 gradients over ranks, so the applied gradient is the mean over the step's samples —
 the same as one process taking the whole global batch.
+
+Its checkpoints are `polytrain.run_checkpoints`, its callbacks `polytrain.callbacks`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +25,10 @@ import numpy as np
 
 from polytrain import checkpoint as ckpt
 from polytrain import objectives, registry
-from polytrain.data import Data, epoch_plan, eval_shard, global_batch_size, steps_per_epoch
-from polytrain.data.prefetch import Prefetcher, load_transform
+from polytrain.callbacks import RunHooks, set_up_callbacks
+from polytrain.data import Data, StepPlan, epoch_plan, eval_shard, global_batch_size, steps_per_epoch
+from polytrain.data.fingerprint import fingerprint
+from polytrain.data.prefetch import Batch, Prefetcher, load_transform
 from polytrain.environments import detect_world
 from polytrain.errors import TrainingFailure, UserError
 from polytrain.failures import (
@@ -35,45 +40,61 @@ from polytrain.failures import (
     settled,
 )
 from polytrain.metrics import MetricsLog, Progress
-from polytrain.protocols import BackendFactory, FrameworkFactory, data_shard_of
-from polytrain.schedule import lr_at
+from polytrain.protocols import Backend, BackendFactory, Framework, FrameworkFactory
+from polytrain.run_checkpoints import RunCheckpoints
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
-from polytrain.trainer_state import Position, TrainerCheckpoints, TrainResult
+from polytrain.trainer_state import LossWindow, Position, Steps, TrainResult
 from polytrain.watchdog import Activity, StallWatchdog
 from polytrain.world import World
 
 
-class Trainer(TrainerCheckpoints):
+class Trainer:
+    """One training run of a spec: ``fit`` makes the backend, the data, the callbacks, the model and the run's
+    checkpoints, trains epoch by epoch (`_epoch`) and step by step (`_step`), saves the final model, and ends
+    everything it started (`_tear_down`)."""
+
     def __init__(self, spec: TrainSpec, world: World | None = None, *, show_progress: bool = True,
                  resume: str | None = None, timeline: str | None = None, verbose: bool = False,
                  backend_factory: BackendFactory = registry.create_backend,
                  framework_factory: FrameworkFactory = registry.create_framework, data: Data | None = None,
-                 callbacks: Sequence[Any] = ()) -> None:
+                 callbacks: Sequence[Any] = (), accept_changed_data: bool = False,
+                 overwrite_checkpoints: bool = False) -> None:
         """``timeline``: a file to write a Chrome-trace timeline of every rank into (see polytrain.timeline);
         ``verbose``: every rank shows its progress (prefixed with its rank), not only rank 0;
         ``backend_factory``/``framework_factory``: what makes the two adapters (the registry's resolvers;
         anything that builds a `polytrain.protocols.Backend`/`Framework`, such as a test's fakes);
         ``data``: the samples to train on (default: the spec's data source, opened by the registry);
-        ``callbacks``: callback objects, called after those the spec names (see polytrain.callbacks)."""
-        self.backend_factory, self.framework_factory, self.data = backend_factory, framework_factory, data
-        self.extra_callbacks = list(callbacks)
+        ``callbacks``: callback objects, called after those the spec names (see polytrain.callbacks);
+        ``accept_changed_data``: resume although the data changed since the checkpoint, its epoch started over;
+        ``overwrite_checkpoints``: move another run's checkpoints in checkpoint.dir aside instead of refusing."""
         self.spec = spec
         self.world = world if world is not None else detect_world()
-        self.show_progress = show_progress
+        self.backend_factory, self.framework_factory, self.data = backend_factory, framework_factory, data
+        self.extra_callbacks = list(callbacks)
+        self.show_progress, self.verbose, self.timeline_path = show_progress, verbose, timeline
         self.resume = resume
-        self.timeline_path = timeline
-        self.verbose = verbose
-        self._last_saved: int | None = None
-        self._activity = Activity()
+        self.accept_changed_data = accept_changed_data
+        self.overwrite_checkpoints = overwrite_checkpoints
+        #: fp16 runs skip overflowing steps through their loss scaler instead
+        self.check_finite = spec.precision != "fp16"
+        self._activity = Activity()  # what this rank is doing now, for the stall watchdog and failure messages
+        # the run's parts: `fit` makes them, and ends them (`_tear_down`) before it returns or raises
+        self.timeline: Timeline = NULL
+        self.backend: Backend | None = None
+        self.log = MetricsLog(None)
+        self.progress = Progress(enabled=False)
+        self.prefetcher: Prefetcher | None = None
+        self.hooks: RunHooks | None = None
+        self.framework: Framework | None = None
+        self.steps: Steps | None = None
+        self.checkpoints: RunCheckpoints | None = None
+        self.watchdog: StallWatchdog | None = None
 
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
         self.timeline = Timeline(world.rank) if self.timeline_path else NULL
         self.backend = self.backend_factory(spec, world, timeline=self.timeline, activity=self._activity)
-        self.watchdog: StallWatchdog | None = None
-        self.prefetcher: Prefetcher | None = None
-        self.log = MetricsLog(None)
         is_main = world.rank == 0
         try:  # from here on the backend is torn down whatever happens (a failed setup included)
             self.backend.setup()
@@ -86,28 +107,9 @@ class Trainer(TrainerCheckpoints):
             data = self.data if self.data is not None else registry.open_data(spec)
             self.prefetcher = Prefetcher(spec.data.workers, spec.data.prefetch, spec.seed, augment=data.augment,
                                          transform=load_transform(spec.data.transform))
-            self._set_up_callbacks(data)
-            self.framework = self.framework_factory(spec, world, self.backend)
-            check = spec.reliability.startup_check and world.size > 1
-            if check:  # before building: a wrapper like DDP would fail on mismatched models with less to say
-                check_ranks_agree(self.backend, {"spec digest": spec.digest(), "library versions": library_versions()})
-            self.framework.build(data.info)
-            if check:
-                shapes = sorted(self.framework.parameter_shapes().items())
-                check_ranks_agree(self.backend, {"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
-            if self.backend.listen_address:
-                self.progress.line(f"polytrain: rendezvous listens on {self.backend.listen_address}")
-                self.log.write("rendezvous", listen=self.backend.listen_address)
-            self.progress.line(
-                f"polytrain: {spec.framework}/{self.backend.label} on {world.size} "
-                f"process(es) "
-                f"(launcher: {world.launcher}); {len(data.train)} training samples, "
-                f"{len(data.val)} validation samples")
-            # model-parallel layouts: the ranks of a tensor/pipeline group share one shard of the data
-            self.shard = data_shard_of(self.backend, world)
-            self.global_batch = global_batch_size(spec.data, self.shard.count, spec.loop.grad_accum_steps)
-            self.per_epoch = steps_per_epoch(len(data.train), self.global_batch)
-            start = self._restore() if self._resume_target() else Position()
+            self.hooks = set_up_callbacks(spec, world, self.extra_callbacks, data.info.task, bool(len(data.val)))
+            self._build(data)
+            start = self._begin(data)
             if self.timeline.enabled:
                 self.backend.barrier()  # every rank's time zero is the same moment
                 self.timeline.reset_origin()
@@ -118,113 +120,221 @@ class Trainer(TrainerCheckpoints):
             except Exception as exc:
                 if not is_peer_failure(exc):
                     raise
-                detail = peer_failure_detail(exc)
                 raise TrainingFailure(
                     f"rank {world.rank}: a collective failed during {self._activity.text}: {self._who_was_lost()} "
-                    f"({detail})") from exc
-            self._save_model(result)
+                    f"({peer_failure_detail(exc)})") from exc
+            final_state = self.checkpoints.save_model(result)
             self._write_timeline()
-            self.callbacks.call("on_train_end", result)
-            return result
-        finally:
-            if self.watchdog is not None:
-                self.watchdog.stop()
-            self.log.close()
-            if self.prefetcher is not None:
-                self.prefetcher.close()
-            self.backend.teardown()
+            self.hooks.callbacks.call("on_train_end", result)
+            result.model = self.framework.release(final_state)
+        except BaseException:
+            self._tear_down(raising=True)
+            raise
+        self._tear_down(raising=False)
+        return result
+
+    def _build(self, data: Data) -> None:
+        """The framework adapter and its model, the ranks checked to agree before and after building; the
+        start-up lines."""
+        spec, world = self.spec, self.world
+        self.framework = self.framework_factory(spec, world, self.backend)
+        check = spec.reliability.startup_check and world.size > 1
+        if check:  # before building: a wrapper like DDP would fail on mismatched models with less to say
+            check_ranks_agree(self.backend, {"spec digest": spec.digest(), "library versions": library_versions()})
+        self.framework.build(data.info)
+        if check:
+            shapes = sorted(self.framework.parameter_shapes().items())
+            check_ranks_agree(self.backend, {"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
+        if self.backend.listen_address:
+            self.progress.line(f"polytrain: rendezvous listens on {self.backend.listen_address}")
+            self.log.write("rendezvous", listen=self.backend.listen_address)
+        self.progress.line(f"polytrain: {spec.framework}/{self.backend.label} on {world.size} process(es) (launcher: "
+                           f"{world.launcher}); {len(data.train)} training samples, {len(data.val)} validation samples")
+
+    def _begin(self, data: Data) -> Position:
+        """How the epochs cut into steps, the run's checkpoints, and where it begins (a resume restores the
+        checkpoint's state)."""
+        spec, world = self.spec, self.world
+        # model-parallel layouts: the ranks of a tensor/pipeline group share one shard of the data
+        shard = self.backend.data_shard
+        global_batch = global_batch_size(spec.data.batch_size, shard.count, spec.loop.grad_accum_steps,
+                                         fixed=spec.data.global_batch_size)
+        steps = Steps(shard, global_batch, steps_per_epoch(len(data.train), global_batch), spec.loop.epochs,
+                      spec.loop.max_steps)
+        # rank 0 records what the data is in every checkpoint, and checks a resumed checkpoint's against it
+        dataset = settled(self.backend, world.size, lambda: fingerprint(spec.data, data) if world.rank == 0
+                          else None)
+        self.checkpoints = RunCheckpoints(spec, world, self.backend, self.framework, self.hooks, steps, dataset,
+                                          log=self.log, progress=self.progress, timeline=self.timeline,
+                                          activity=self._activity)
+        start = self.checkpoints.begin(self.resume, accept_changed_data=self.accept_changed_data,
+                                       overwrite=self.overwrite_checkpoints)
+        self.steps = start.steps
+        return start.position
+
+    def _tear_down(self, raising: bool) -> None:
+        """End everything `fit` started before it returns or raises, users before what they use: the watchdog's
+        thread and its store, the log, the data threads, the framework's hold on the wrapped model (DDP, FSDP and
+        DeepSpeed keep the process group through it), then the backend's process groups and stores. A gloo
+        thread still running when the interpreter finalises aborts the process (SIGABRT after a finished run).
+        Every step runs; the first failure is raised afterwards, unless `fit` is already ``raising``."""
+        ends = (self.watchdog.close if self.watchdog is not None else None, self.log.close,
+                self.prefetcher.close if self.prefetcher is not None else None,
+                self.framework.release if self.framework is not None else None, self.backend.teardown)
+        failure: Exception | None = None
+        for end in ends:
+            try:
+                if end is not None:
+                    end()
+            except Exception as exc:  # noqa: BLE001 - the later steps still run
+                failure = failure or exc
+        if failure is not None and not raising:
+            raise failure
 
     # ------------------------------------------------------------------ the loop
     def _loop(self, data: Data, start: Position) -> TrainResult:
-        spec, fw, loop, shard = self.spec, self.framework, self.spec.loop, self.shard
-        timeline = self.timeline
-        counts = 1.0 if shard.reports else 0.0  # the logged loss counts each shard once
-        per_epoch = self.per_epoch
-        total = self._total_steps()
-        every_steps, every_epochs = spec.checkpoint.every_n_steps, spec.checkpoint.every_n_epochs
-        verify_every = spec.reliability.verify_every_n_steps
-        # fp16 runs skip overflowing steps through their loss scaler instead.
-        self.check_finite = spec.precision != "fp16"
+        """Train from ``start`` to the run's last step (or early stopping), epoch by epoch; the final state is
+        left resumable when the run writes checkpoints."""
         result = TrainResult(global_step=start.step, epochs_done=start.epoch)
-        step = start.step
-        here = Position(start.step, start.epoch, start.step_in_epoch)  # where the loop stands, for saves
-        self.callbacks.call("on_train_start")
-        for epoch in range(start.epoch, loop.epochs):
-            if step >= total or self.stopped_early:
+        here = start  # where the loop stands, for saves
+        self.hooks.callbacks.call("on_train_start")
+        for epoch in range(start.epoch, self.spec.loop.epochs):
+            if here.step >= self.steps.total or self.hooks.stopped_early:
                 break
-            first = start.step_in_epoch if epoch == start.epoch else 0
-            self.progress.start_epoch(epoch, loop.epochs, min(per_epoch, first + total - step))
-            window = np.zeros(2)  # summed loss, samples since the last report
-            window_start = time.perf_counter()
-            plans = epoch_plan(len(data.train), seed=spec.seed, epoch=epoch, global_batch=self.global_batch,
-                               world_size=shard.count, rank=shard.index, accum=loop.grad_accum_steps,
-                               start_step=first, order=data.train.order(spec.seed, epoch))
-            batches = self.prefetcher.steps(data.train, enumerate(plans, start=first), epoch)
-            for i in range(first, per_epoch):
-                if step >= total:
-                    break
-                self._activity.set("reading data", step=step + 1)
-                with timeline.span("data", "data", step=step + 1):
-                    plan, micro_batches = next(batches)
-                self._activity.set("forward/backward", step=step + 1)
-                scale = shard.count / plan.global_count
-                last = len(micro_batches) - 1
-                for m, (x, y) in enumerate(micro_batches):
-                    with timeline.span("micro-step", "compute", step=step + 1, micro=m, samples=len(x)):
-                        loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
-                    window += (loss_sum * counts, len(x) * counts)
-                lr = lr_at(step, optimizer=spec.optimizer, schedule=spec.schedule, world_size=shard.count,
-                           steps_per_epoch=per_epoch, total_steps=self._horizon())
-                self._activity.set("the optimizer step", step=step + 1)
-                with timeline.span("optimizer step", "optimizer", step=step + 1):
-                    if self.check_finite and not fw.grads_finite():
-                        self._nonfinite(step + 1)
-                    else:
-                        fw.optimizer_step(lr, loop.grad_clip_norm)
-                step += 1
-                if verify_every and step % verify_every == 0:
-                    self._verify_replicas(step)
-                here = Position(step, epoch, i + 1)
-                logs: dict[str, Any] = {"epoch": epoch, "lr": lr}
-                if step % loop.log_every_n_steps == 0 or i + 1 == per_epoch or step == total:
-                    loss_total, count = self.backend.all_reduce(window)
-                    elapsed = time.perf_counter() - window_start
-                    loss = loss_total / max(count, 1)
-                    speed = count / elapsed if elapsed > 0 else 0.0
-                    self.log.write("step", step=step, epoch=epoch, loss=loss, lr=lr, samples_per_s=speed,
-                                   **fw.step_stats())
-                    self.progress.update(i + 1, loss, speed)
-                    result.train_loss, result.samples_per_s = loss, speed
-                    logs["loss"] = loss
-                    window[:] = 0
-                    window_start = time.perf_counter()
-                self.callbacks.call("on_step_end", step, logs)
-                if every_steps and step % every_steps == 0 and i + 1 < per_epoch:
-                    self._save_checkpoint(here)
-            batches.close()
-            self.progress.end_epoch()
-            complete = here.epoch == epoch and here.step_in_epoch == per_epoch
-            stop = self._end_epoch(data, result, epoch, step, complete=complete)
-            if complete:
-                here = Position(step, epoch + 1, 0)
-            self._save_best(here, result.history[-1])
-            if not complete:  # stopped mid-epoch by loop.max_steps
+            here, going_on = self._epoch(data, epoch, here, result)
+            if not going_on:
                 break
-            if (every_epochs and (epoch + 1) % every_epochs == 0 or every_steps and step % every_steps == 0
-                    or spec.checkpoint.save_last):
-                self._save_checkpoint(here)
-            if stop:
-                self.progress.line(f"early stopping after epoch {epoch + 1}: {loop.early_stopping.monitor} has not "
-                                   f"improved for {loop.early_stopping.patience} validation(s)")
-                self.log.write("early_stopping", epoch=epoch, step=step)
-                break
-        if self.checkpointing and self._last_saved != step:  # always leave the final state resumable
-            self._save_checkpoint(here)
+        if self.checkpoints.enabled and self.checkpoints.last_saved != here.step:
+            self.checkpoints.save(here)  # always leave the final state resumable
         if not result.history:  # nothing left to train (a resumed finished run): evaluate what there is
-            self._end_epoch(data, result, max(here.epoch - 1, 0), step, complete=True, decide=False)
-        result.global_step = step
-        result.stopped_early = self.stopped_early
+            self._end_epoch(data, result, max(here.epoch - 1, 0), here.step, complete=True, decide=False)
+        result.global_step = here.step
+        result.stopped_early = self.hooks.stopped_early
         return result
+
+    def _epoch(self, data: Data, epoch: int, here: Position, result: TrainResult) -> tuple[Position, bool]:
+        """Epoch ``epoch`` from ``here`` (its first step, or where a resume left it): its steps, the evaluation at
+        its end and the checkpoints due. Returns where the run stands and whether it goes on to the next epoch."""
+        spec, loop, steps = self.spec, self.spec.loop, self.steps
+        every_steps, every_epochs = spec.checkpoint.every_n_steps, spec.checkpoint.every_n_epochs
+        first = here.step_in_epoch
+        self.progress.start_epoch(epoch, loop.epochs, min(steps.per_epoch, first + steps.total - here.step))
+        window = LossWindow()
+        plans = epoch_plan(len(data.train), seed=spec.seed, epoch=epoch, global_batch=steps.global_batch,
+                           world_size=steps.shard.count, rank=steps.shard.index, accum=loop.grad_accum_steps,
+                           start_step=first, order=data.train.order(spec.seed, epoch))
+        batches = self.prefetcher.steps(data.train, enumerate(plans, start=first), epoch)
+        for i in range(first, steps.per_epoch):
+            if here.step >= steps.total:
+                break
+            lr = self._step(here.step + 1, batches, window)
+            here = Position(here.step + 1, epoch, i + 1)
+            logs: dict[str, Any] = {"epoch": epoch, "lr": lr}
+            if here.step % loop.log_every_n_steps == 0 or i + 1 == steps.per_epoch or here.step == steps.total:
+                logs["loss"] = self._report(window, here, lr, result)
+            self.hooks.callbacks.call("on_step_end", here.step, logs)
+            if every_steps and here.step % every_steps == 0 and i + 1 < steps.per_epoch:
+                self.checkpoints.save(here)
+        batches.close()
+        self.progress.end_epoch()
+        complete = here.epoch == epoch and here.step_in_epoch == steps.per_epoch
+        stop = self._end_epoch(data, result, epoch, here.step, complete=complete)
+        if complete:
+            here = Position(here.step, epoch + 1, 0)
+        self.checkpoints.save_best(here, result.history[-1])
+        if not complete:  # stopped mid-epoch by loop.max_steps
+            return here, False
+        if (every_epochs and (epoch + 1) % every_epochs == 0 or every_steps and here.step % every_steps == 0
+                or spec.checkpoint.save_last):
+            self.checkpoints.save(here)
+        if stop:
+            self.progress.line(f"early stopping after epoch {epoch + 1}: {loop.early_stopping.monitor} has not "
+                               f"improved for {loop.early_stopping.patience} validation(s)")
+            self.log.write("early_stopping", epoch=epoch, step=here.step)
+        return here, not stop
+
+    def _step(self, number: int, batches: Iterator[tuple[StepPlan, list[Batch]]], window: LossWindow) -> float:
+        """Optimizer step ``number`` (counted from 1): its micro-batches' forward and backward, then the update
+        (or the reliability.on_nonfinite policy). Returns the step's learning rate."""
+        fw, shard, timeline = self.framework, self.steps.shard, self.timeline
+        counts = 1.0 if shard.reports else 0.0  # the logged loss counts each shard once
+        self._activity.set("reading data", step=number)
+        with timeline.span("data", "data", step=number):
+            plan, micro_batches = next(batches)
+        self._activity.set("forward/backward", step=number)
+        scale = shard.count / plan.global_count
+        last = len(micro_batches) - 1
+        for m, (x, y) in enumerate(micro_batches):
+            with timeline.span("micro-step", "compute", step=number, micro=m, samples=len(x)):
+                loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
+            window.sums += (loss_sum * counts, len(x) * counts)
+        lr = self.steps.lr(number - 1, self.spec)
+        self._activity.set("the optimizer step", step=number)
+        with timeline.span("optimizer step", "optimizer", step=number):
+            if self.check_finite and not fw.grads_finite():
+                self._nonfinite(number)
+            else:
+                fw.optimizer_step(lr, self.spec.loop.grad_clip_norm)
+        verify_every = self.spec.reliability.verify_every_n_steps
+        if verify_every and number % verify_every == 0:
+            self._verify_replicas(number)
+        return lr
+
+    def _report(self, window: LossWindow, here: Position, lr: float, result: TrainResult) -> float:
+        """Close the logging window at ``here``: its loss averaged over every shard's samples, the step record
+        and the progress line. Returns the loss."""
+        loss_total, count = self.backend.all_reduce(window.sums)
+        elapsed = time.perf_counter() - window.opened
+        loss = loss_total / max(count, 1)
+        speed = count / elapsed if elapsed > 0 else 0.0
+        self.log.write("step", step=here.step, epoch=here.epoch, loss=loss, lr=lr, samples_per_s=speed,
+                       **self.framework.step_stats())
+        self.progress.update(here.step_in_epoch, loss, speed)
+        result.train_loss, result.samples_per_s = loss, speed
+        window.reset()
+        return loss
+
+    def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool,
+                   decide: bool = True) -> bool:
+        """Evaluate, log and tell the callbacks; returns whether early stopping ends training now."""
+        val_loss: float | None = None
+        values: dict[str, float] = {}
+        if len(data.val):  # with no validation data (data.val_fraction: 0) an epoch ends on its train loss
+            with self.timeline.span("evaluation", "evaluation", epoch=epoch):
+                val_loss, values = self._evaluate(data, epoch)
+            result.val_loss, result.val_metrics = val_loss, values
+            result.val_accuracy = values.get("accuracy")
+        result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
+        record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
+                  "val_accuracy": result.val_accuracy, **{f"val_{name}": value for name, value in values.items()}}
+        result.history.append(record)
+        self.log.write("epoch", **record)
+        shown = "".join(f", val {name.replace('_', ' ')} {value:.4f}" for name, value in values.items())
+        validated = f", val loss {val_loss:.4f}{shown}" if val_loss is not None else " (no validation data)"
+        self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}{validated}")
+        self.hooks.callbacks.call("on_validation_end", epoch, record)
+        stopping = self.hooks.early_stopping
+        if stopping is None or not decide:
+            return False
+        stopping.stopped = bool(self.backend.broadcast_object(stopping.update(record)))  # rank 0's, on every rank
+        return stopping.stopped
+
+    def _evaluate(self, data: Data, epoch: int) -> tuple[float, dict[str, float]]:
+        """Each rank evaluates its shard in the same number of batches; the (sum, count) pair of the loss
+        and of every metric is all-reduced before dividing (`polytrain.objectives.reduce`)."""
+        self._activity.set("evaluation")
+        shard, batch = self.steps.shard, self.spec.data.batch_size
+        metrics = objectives.metric_names(self.spec.metrics, data.info.task)
+        names = ("loss", *objectives.computed(metrics))
+        mine = eval_shard(len(data.val), shard.count, shard.index)
+        n_batches = max(1, math.ceil(math.ceil(len(data.val) / shard.count) / batch))
+        totals = np.zeros((len(names), 2))
+        for x, y in self.prefetcher.batches(data.val, np.array_split(mine, n_batches), epoch):
+            batch_totals = self.framework.evaluate(x, y)  # every rank: a layout's forward is collective
+            if shard.reports:
+                totals += [batch_totals[name] for name in names]
+        reduced = self.backend.all_reduce(totals.reshape(-1)).reshape(len(names), 2)
+        return objectives.reduce(dict(zip(names, map(tuple, reduced))), metrics)
 
     # ------------------------------------------------------------------ reliability
     def _who_was_lost(self) -> str:
@@ -261,60 +371,7 @@ class Trainer(TrainerCheckpoints):
             raise TrainingFailure(f"step {step}: the weights of rank(s) {', '.join(map(str, drifted))} differ from "
                                   f"rank 0's (replicas drifted apart; reliability.verify_every_n_steps)")
 
-    def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool,
-                   decide: bool = True) -> bool:
-        """Evaluate, log and tell the callbacks; returns whether early stopping ends training now."""
-        val_loss: float | None = None
-        values: dict[str, float] = {}
-        if len(data.val):  # with no validation data (data.val_fraction: 0) an epoch ends on its train loss
-            with self.timeline.span("evaluation", "evaluation", epoch=epoch):
-                val_loss, values = self._evaluate(data, epoch)
-            result.val_loss, result.val_metrics = val_loss, values
-            result.val_accuracy = values.get("accuracy")
-        result.global_step, result.epochs_done = step, epoch + (1 if complete else 0)
-        record = {"epoch": epoch, "step": step, "train_loss": result.train_loss, "val_loss": val_loss,
-                  "val_accuracy": result.val_accuracy, **{f"val_{name}": value for name, value in values.items()}}
-        result.history.append(record)
-        self.log.write("epoch", **record)
-        shown = "".join(f", val {name.replace('_', ' ')} {value:.4f}" for name, value in values.items())
-        validated = f", val loss {val_loss:.4f}{shown}" if val_loss is not None else " (no validation data)"
-        self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}{validated}")
-        self.callbacks.call("on_validation_end", epoch, record)
-        if self.early_stopping is None or not decide:
-            return False
-        stop = self.early_stopping.update(record)
-        self.stopped_early = bool(self.backend.broadcast_object(stop))  # rank 0's decision, on every rank
-        return self.stopped_early
-
-    def _evaluate(self, data: Data, epoch: int) -> tuple[float, dict[str, float]]:
-        """Each rank evaluates its shard in the same number of batches; the (sum, count) pair of the loss
-        and of every metric is all-reduced before dividing (`polytrain.objectives.reduce`)."""
-        self._activity.set("evaluation")
-        shard, batch = self.shard, self.spec.data.batch_size
-        metrics = objectives.metric_names(self.spec.metrics, data.info.task)
-        names = ("loss", *objectives.computed(metrics))
-        mine = eval_shard(len(data.val), shard.count, shard.index)
-        n_batches = max(1, math.ceil(math.ceil(len(data.val) / shard.count) / batch))
-        totals = np.zeros((len(names), 2))
-        for x, y in self.prefetcher.batches(data.val, np.array_split(mine, n_batches), epoch):
-            batch_totals = self.framework.evaluate(x, y)  # every rank: a layout's forward is collective
-            if shard.reports:
-                totals += [batch_totals[name] for name in names]
-        reduced = self.backend.all_reduce(totals.reshape(-1)).reshape(len(names), 2)
-        return objectives.reduce(dict(zip(names, map(tuple, reduced))), metrics)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _total_steps(self) -> int:
-        """Where this run stops: the end of ``loop.epochs``, or ``loop.max_steps`` when that comes first."""
-        loop = self.spec.loop
-        return min(self._horizon(), loop.max_steps or self._horizon())
-
-    def _horizon(self) -> int:
-        """The schedule's horizon: every step of ``loop.epochs``. ``loop.max_steps`` stops a run early without
-        compressing the schedule, so a run stopped there and resumed without it follows the straight run's
-        learning rates exactly."""
-        return self.per_epoch * self.spec.loop.epochs
-
+    # ------------------------------------------------------------------ the timeline
     def _write_timeline(self) -> None:
         """Gather every rank's timeline events; rank 0 writes them as one Chrome trace."""
         if self.timeline.enabled:

@@ -1,4 +1,4 @@
-"""Callbacks, early stopping and best checkpoints, driven through the Trainer on the fakes of test_trainer.
+"""Callbacks, early stopping and best checkpoints, driven through the Trainer on the fakes (trainer_runs).
 
 80 training samples, batches of 12: 7 steps per epoch. The fake framework's val loss falls epoch by epoch
 on this data, which the assertions use (and check).
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_trainer import PER_EPOCH, fit, fit_fails, make_spec, records
+from trainer_runs import PER_EPOCH, fit, fit_fails, make_spec, records
 
 from polytrain import checkpoint as ckpt
 from polytrain.callbacks import Callback, RunInfo
@@ -177,3 +177,61 @@ def test_a_validation_monitor_without_validation_data_is_one_line(tmp_path: Path
     error, job = fit_fails(make_spec(tmp_path, data={"val_fraction": 0.0}, **changes), SpecError)
     assert "needs validation data and this run has none" in str(error) and "data.val_fraction" in str(error)
     assert job.framework is None
+
+
+# --------------------------------------------------------------------------- best checkpoints across runs
+
+
+def best_index(spec: Any) -> dict[str, Any]:
+    return json.loads((spec.checkpoint_dir / "best" / "index.json").read_text())
+
+
+def test_another_runs_best_index_is_not_taken_up_and_its_checkpoints_stay(tmp_path: Path) -> None:
+    """Issue 26 item 9: run B (val_accuracy/max) took up run A's index (val_loss/min), mixed both metrics in it
+    and deleted A's best checkpoint."""
+    import numpy as np
+
+    from polytrain.callbacks import BestCheckpoints
+
+    root = tmp_path / "best"
+    state = {"model": {"w": np.zeros(3, np.float32)}}
+    theirs = ckpt.save_checkpoint(root, 10, state, {ckpt.RUN_KEY: "run-a"})
+    index_a = {"monitor": "val_loss", "mode": "min", ckpt.RUN_KEY: "run-a",
+               "best": [{"path": theirs.name, "step": 10, "epoch": 0, "value": 0.5}]}
+    (root / "index.json").write_text(json.dumps(index_a))
+    before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    best = BestCheckpoints(root, "val_accuracy", "max", 1)
+    best.start(ckpt.Owner("run-b"))
+    assert best.entries == [] and best.wants(0.1)
+    mine = ckpt.save_checkpoint(root, 20, state, {ckpt.RUN_KEY: "run-b"})
+    assert best.keep(mine, 20, 1, 0.1) == []
+    assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before  # A's best checkpoint is untouched
+    [kept] = root.glob("index-val_loss-min-*.json")
+    assert json.loads(kept.read_text()) == index_a
+    assert json.loads((root / "index.json").read_text()) == {
+        "monitor": "val_accuracy", "mode": "max", ckpt.RUN_KEY: "run-b",
+        "best": [{"path": mine.name, "step": 20, "epoch": 1, "value": 0.1}]}
+    mine_next = ckpt.save_checkpoint(root, 30, state, {ckpt.RUN_KEY: "run-b"})
+    assert best.keep(mine_next, 30, 2, 0.2) == [mine] and not mine.exists() and theirs.is_dir()
+
+
+def test_a_resumed_run_takes_up_its_index_only_for_the_same_monitor_and_mode(tmp_path: Path) -> None:
+    common = {"every_n_steps": PER_EPOCH, "save_top_k": 2}
+    first = make_spec(tmp_path, loop={"epochs": 4, "max_steps": 2 * PER_EPOCH},
+                      checkpoint={**common, "monitor": "val_loss", "mode": "max"})
+    fit(first)
+    assert [e["step"] for e in best_index(first)["best"]] == [PER_EPOCH, 2 * PER_EPOCH]  # val loss falls
+    same = make_spec(tmp_path, loop={"epochs": 4, "max_steps": 3 * PER_EPOCH},
+                     checkpoint={**common, "monitor": "val_loss", "mode": "max"})
+    fit(same, resume="auto")  # the same ranking goes on: epoch 3 ranks below the first two
+    assert [e["step"] for e in best_index(same)["best"]] == [PER_EPOCH, 2 * PER_EPOCH]
+    before = sorted(p.name for p in ckpt.complete_checkpoints(same.checkpoint_dir / "best"))
+    other = make_spec(tmp_path, loop={"epochs": 4}, checkpoint={**common, "monitor": "val_loss", "mode": "min"})
+    fit(other, resume="auto")
+    index = best_index(other)
+    assert (index["monitor"], index["mode"]) == ("val_loss", "min")
+    assert [e["step"] for e in index["best"]] == [4 * PER_EPOCH]  # only this ranking's validations
+    [kept] = (other.checkpoint_dir / "best").glob("index-val_loss-max-*.json")
+    assert [e["step"] for e in json.loads(kept.read_text())["best"]] == [PER_EPOCH, 2 * PER_EPOCH]
+    after = sorted(p.name for p in ckpt.complete_checkpoints(other.checkpoint_dir / "best"))
+    assert set(before) <= set(after)  # the max ranking's checkpoints were not removed

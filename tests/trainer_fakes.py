@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from polytrain.protocols import DatasetInfo
+from polytrain.data.source import DatasetInfo
+from polytrain.protocols import DataShard
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline
 from polytrain.watchdog import Activity, PeerBoard
@@ -37,8 +38,10 @@ class FakeBackend:
     def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
                  activity: Activity | None = None, gather: Callable[[Any], list[Any]] | None = None,
                  fail_reduce_at: int | None = None, failure: BaseException | None = None,
-                 board: PeerBoard | None = None, listen: str | None = None) -> None:
+                 board: PeerBoard | None = None, listen: str | None = None,
+                 data_shard: DataShard | None = None) -> None:
         self.spec, self.world = spec, world
+        self.data_shard = data_shard if data_shard is not None else DataShard(world.size, world.rank)
         self.timeline = timeline if timeline is not None else NULL
         self.activity = activity
         self._gather = gather
@@ -271,6 +274,14 @@ class FakeFramework:
     def set_rng_state(self, state: list[int]) -> None:
         self.calls.rng_set.append(list(state))
         self.rng = list(state)
+
+    def release(self, state: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray] | None:
+        """The trained weights, once (a fake holds nothing bound to a job); records when the backend was
+        already torn down at that moment (it must not be)."""
+        self.released_after_teardown = self.backend.teardown_calls > 0
+        model, self.released = (None if getattr(self, "released", False) or not self.built
+                                else {k: v.copy() for k, v in self.params.items()}), True
+        return model
 
 
 class FakeJob:
