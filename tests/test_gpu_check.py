@@ -135,7 +135,7 @@ def test_transformer_flops_and_mfu() -> None:
 def test_matmul_parameters_are_the_models_linear_weights() -> None:
     torch = pytest.importorskip("torch")
     from polytrain.adapters.torch.transformer import build_transformer
-    from polytrain.protocols import DatasetInfo
+    from polytrain.data.source import DatasetInfo
     from polytrain.zoo import TransformerParams
 
     model = build_transformer(TransformerParams(d_model=48, n_heads=4, n_layers=3),

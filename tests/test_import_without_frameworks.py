@@ -21,9 +21,9 @@ def run_blocked(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_core_imports_without_frameworks() -> None:
     proc = run_blocked(
-        "import polytrain, polytrain.spec, polytrain.registry, polytrain.trainer, polytrain.cli, polytrain.info\n"
-        "import polytrain.world, polytrain.data, polytrain.schedule\n"
-        "s = polytrain.spec.load(None, ['loop.epochs=2'])\n"
+        "import polytrain, polytrain.spec, polytrain.validation, polytrain.registry, polytrain.trainer, polytrain.cli\n"
+        "import polytrain.info, polytrain.world, polytrain.data, polytrain.schedule\n"
+        "s = polytrain.validation.load(None, ['loop.epochs=2'])\n"
         "print(s.loop.epochs, polytrain.detect_world({}).launcher)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow')))\n")
     assert proc.returncode == 0, proc.stderr

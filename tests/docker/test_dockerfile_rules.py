@@ -6,7 +6,7 @@ No Docker engine runs here, so an image is held to what can be read:
   multi-stage        a builder stage, and a final stage that copies the venv /opt/polytrain from it
   builder-toolchain  compilers/cmake/headers/devel bases in the builder only, never in the final stage
   non-root-user      the final stage's last USER is neither root nor 0
-  versions           the *_VERSION ARGs equal setup.cfg's pins
+  versions           the *_VERSION ARGs equal constraints.txt's pins
   setup-sh           the venv is made by scripts/setup.sh (POLYTRAIN_VENV=/opt/polytrain); no other pip install
   entrypoint         the final stage's ENTRYPOINT (exec form) runs polytrain or docker/entrypoint.sh
   dockerignore       .dockerignore keeps .venv, .git and runs/ out of the build context
@@ -15,7 +15,6 @@ Each rule is shown to fire by breaking it in a copy of a real Dockerfile.
 
 from __future__ import annotations
 
-import configparser
 import io
 import json
 import re
@@ -30,7 +29,7 @@ dockerfile_parse = pytest.importorskip(
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = {name: REPO / "docker" / f"Dockerfile.{name}" for name in ("cpu", "cuda")}
 VENV = "/opt/polytrain"
-# ARG name -> setup.cfg requirement names whose pin it must equal.
+# ARG name -> constraints.txt requirement names whose pin it must equal.
 VERSION_ARGS = {
     "TORCH_VERSION": ("torch",),
     "TENSORFLOW_VERSION": ("tensorflow", "tensorflow-cpu"),
@@ -86,16 +85,13 @@ def installed_packages(run_value: str) -> list[str]:
     return packages
 
 
-def setup_cfg_pins(text: str) -> dict[str, set[str]]:
-    """Requirement name -> the versions ``name[extras]==version`` pins it to across setup.cfg's extras."""
-    config = configparser.ConfigParser()
-    config.read_string(text)
+def constraint_pins(text: str) -> dict[str, set[str]]:
+    """Requirement name -> the versions constraints.txt's ``name==version`` lines pin it to."""
     pins: dict[str, set[str]] = {}
-    for lines in config["options.extras_require"].values():
-        for line in lines.splitlines():
-            match = re.match(r"\s*([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*==\s*([^\s;]+)", line)
-            if match:
-                pins.setdefault(match.group(1).lower().replace("_", "-"), set()).add(match.group(3))
+    for line in text.splitlines():
+        match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;#]+)", line)
+        if match:
+            pins.setdefault(match.group(1).lower().replace("_", "-"), set()).add(match.group(2))
     return pins
 
 
@@ -167,13 +163,13 @@ def check_versions(stages: list[Stage], pins: dict[str, set[str]]) -> list[Viola
     for arg, requirements in VERSION_ARGS.items():
         wanted = set().union(*(pins.get(r, set()) for r in requirements))
         if len(wanted) != 1:
-            problems.append(f"setup.cfg pins {'/'.join(requirements)} to {sorted(wanted) or 'nothing'}")
+            problems.append(f"constraints.txt pins {'/'.join(requirements)} to {sorted(wanted) or 'nothing'}")
         elif arg not in declared:
-            problems.append(f"ARG {arg} is missing (setup.cfg pins {next(iter(wanted))})")
+            problems.append(f"ARG {arg} is missing (constraints.txt pins {next(iter(wanted))})")
         else:
             for default in declared[arg]:
                 if {default} != wanted:
-                    problems.append(f"ARG {arg}={default} but setup.cfg pins {next(iter(wanted))}")
+                    problems.append(f"ARG {arg}={default} but constraints.txt pins {next(iter(wanted))}")
     return [Violation("versions", p) for p in problems]
 
 
@@ -211,12 +207,12 @@ def check_entrypoint(stages: list[Stage]) -> list[Violation]:
     return [Violation("entrypoint", f"ENTRYPOINT runs {command[0]}, not polytrain or docker/entrypoint.sh")]
 
 
-def check_dockerfile(text: str, setup_cfg: str) -> list[Violation]:
+def check_dockerfile(text: str, constraints: str) -> list[Violation]:
     stages = parse_stages(text)
     if not stages:
         return [Violation("multi-stage", "no FROM")]
     return (check_pinned_bases(stages) + check_multi_stage(stages) + check_toolchain(stages) + check_user(stages)
-            + check_versions(stages, setup_cfg_pins(setup_cfg)) + check_setup_sh(stages) + check_entrypoint(stages))
+            + check_versions(stages, constraint_pins(constraints)) + check_setup_sh(stages) + check_entrypoint(stages))
 
 
 def check_dockerignore(text: str) -> list[Violation]:
@@ -227,21 +223,21 @@ def check_dockerignore(text: str) -> list[Violation]:
 
 # --- the real files ---------------------------------------------------------
 
-SETUP_CFG = (REPO / "setup.cfg").read_text()
+CONSTRAINTS = (REPO / "constraints.txt").read_text()
 
 
 @pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
 def test_real_dockerfile_follows_every_rule(flavour: str) -> None:
-    assert check_dockerfile(DOCKERFILES[flavour].read_text(), SETUP_CFG) == []
+    assert check_dockerfile(DOCKERFILES[flavour].read_text(), CONSTRAINTS) == []
 
 
 def test_real_dockerignore_keeps_local_state_out() -> None:
     assert check_dockerignore((REPO / ".dockerignore").read_text()) == []
 
 
-def test_version_args_are_the_setup_cfg_pins() -> None:
+def test_version_args_are_the_constraints_pins() -> None:
     """Independent of the checker: the numbers themselves, read two ways."""
-    pins = setup_cfg_pins(SETUP_CFG)
+    pins = constraint_pins(CONSTRAINTS)
     for path in DOCKERFILES.values():
         args = dict(re.findall(r"^ARG (\w+_VERSION)=(\S+)$", path.read_text(), flags=re.M))
         assert {args["TORCH_VERSION"]} == pins["torch"]
@@ -280,30 +276,26 @@ BREAKS = [
 def test_breaking_a_rule_is_reported(flavour: str, old: str, new: str, rule: str) -> None:
     text = DOCKERFILES[flavour].read_text()
     assert old in text, f"the test no longer matches Dockerfile.{flavour}: {old!r}"
-    violations = check_dockerfile(text.replace(old, new), SETUP_CFG)
+    violations = check_dockerfile(text.replace(old, new), CONSTRAINTS)
     assert {v.rule for v in violations} == {rule}, violations
 
 
-def test_setup_cfg_drift_is_reported() -> None:
-    bumped = SETUP_CFG.replace("torch==2.13.0", "torch==2.14.0")
-    assert bumped != SETUP_CFG
+def test_constraints_drift_is_reported() -> None:
+    bumped = CONSTRAINTS.replace("torch==2.13.0", "torch==2.14.0")
+    assert bumped != CONSTRAINTS
     violations = check_dockerfile(DOCKERFILES["cpu"].read_text(), bumped)
     assert [v.rule for v in violations] == ["versions", "versions"]  # the ARG in both stages
-    assert "setup.cfg pins 2.14.0" in violations[0].message
+    assert "constraints.txt pins 2.14.0" in violations[0].message
 
 
-def test_setup_cfg_pinning_one_package_twice_differently_is_reported() -> None:
-    """The all extra repeats torch's pin: the two must not drift apart either."""
-    lines = SETUP_CFG.split("\n")
-    last = max(i for i, line in enumerate(lines) if line.strip() == "torch==2.13.0")
-    lines[last] = lines[last].replace("2.13.0", "2.14.0")
-    violations = check_dockerfile(DOCKERFILES["cuda"].read_text(), "\n".join(lines))
-    assert [v.message for v in violations] == ["setup.cfg pins torch to ['2.13.0', '2.14.0']"]
+def test_constraints_pinning_one_package_twice_differently_is_reported() -> None:
+    violations = check_dockerfile(DOCKERFILES["cuda"].read_text(), CONSTRAINTS + "torch==2.14.0\n")
+    assert [v.message for v in violations] == ["constraints.txt pins torch to ['2.13.0', '2.14.0']"]
 
 
 def test_a_dockerfile_breaking_everything_reports_every_rule() -> None:
     bad = "FROM python:latest\nRUN pip install torch==2.0.0 && apt-get install -y gcc\nCMD [\"python\"]\n"
-    rules = {v.rule for v in check_dockerfile(bad, SETUP_CFG)}
+    rules = {v.rule for v in check_dockerfile(bad, CONSTRAINTS)}
     assert rules == {"pinned-base", "multi-stage", "builder-toolchain", "non-root-user", "versions", "setup-sh",
                      "entrypoint"}
 
@@ -316,6 +308,6 @@ def test_dockerignore_without_venv_is_reported() -> None:
 def test_digest_pins_are_accepted_and_checked() -> None:
     text = DOCKERFILES["cpu"].read_text()
     pinned = text.replace("python:3.11.13-slim-bookworm", "python:3.11.13-slim-bookworm@sha256:" + "ab" * 32)
-    assert check_dockerfile(pinned, SETUP_CFG) == []
+    assert check_dockerfile(pinned, CONSTRAINTS) == []
     broken = text.replace("python:3.11.13-slim-bookworm", "python:3.11.13-slim-bookworm@sha256:123")
-    assert {v.rule for v in check_dockerfile(broken, SETUP_CFG)} == {"pinned-base"}
+    assert {v.rule for v in check_dockerfile(broken, CONSTRAINTS)} == {"pinned-base"}

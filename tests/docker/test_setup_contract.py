@@ -52,3 +52,28 @@ def test_every_extra_the_image_asks_for_is_in_setup_cfg(flavour: str) -> None:
     extras = set(asked.group(1).split(","))
     assert {"torch", "mpi", "deepspeed"} <= extras
     assert sorted(extras - known) == [], f"Dockerfile.{flavour} asks for extras setup.cfg does not define"
+
+
+def install_inputs() -> set[str]:
+    """The repository files the install reads: those setup.sh names, and what setuptools builds from."""
+    named = set(re.findall(r'\$repo/([\w./-]+)', SCRIPTS[0].read_text())) - {".venv"}  # made, not read
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    folders = {line.partition("=")[2].strip() for line in config["options"]["package_dir"].strip().splitlines()}
+    readme = config["metadata"]["long_description"].removeprefix("file:").strip()
+    return named | folders | {readme, "MANIFEST.in", "setup.py", "pyproject.toml"}
+
+
+@pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
+def test_the_builder_copies_every_file_the_install_reads(flavour: str) -> None:
+    """A file setup.sh or setuptools reads that the builder does not COPY fails only at docker build."""
+    text = DOCKERFILES[flavour].read_text()
+    before_setup = text[:text.index("    scripts/setup.sh")]
+    copied = set()
+    for line in re.findall(r"^COPY (?!--from)(.+)$", before_setup, flags=re.M):
+        copied |= {word.rstrip("/") for word in line.split()[:-1] if not word.startswith("--")}
+    needed = install_inputs()
+    assert {"constraints.txt", "setup.py", "scripts/setup.sh", "adapters"} <= needed
+    missing = sorted(path for path in needed
+                     if not any(path == c or path.startswith(c + "/") for c in copied))
+    assert missing == [], f"Dockerfile.{flavour}'s builder does not COPY what the install reads"
