@@ -49,16 +49,15 @@ def open_lm_job(overrides: dict[str, Any], *, prefix: str, world: Any = None, lm
     the LM, Adam and token data; the output goes to a fresh temporary directory named with ``prefix``."""
     import numpy as np
 
-    from polytrain import registry
-    from polytrain import spec as spec_mod
+    from polytrain import registry, validation
+    from polytrain.data.source import DatasetInfo
     from polytrain.environments import detect_world
-    from polytrain.protocols import DatasetInfo
 
     world = world if world is not None else detect_world()
     raw = {"output": tempfile.mkdtemp(prefix=prefix), "model": {"name": "transformer", "params": lm or LM},
            "optimizer": {"name": "adam", "lr": 1e-3},
            "data": {"name": "tokens", "batch_size": batch, "tokens": {"vocab": vocab, "seq_len": seq}}, **overrides}
-    spec = spec_mod.from_dict(raw)
+    spec = validation.from_dict(raw)
     backend = registry.create_backend(spec, world)
     backend.setup()
     fw = registry.create_framework(spec, world, backend)

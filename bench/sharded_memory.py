@@ -64,14 +64,14 @@ MASTER = {"zero1": 4, "zero2": 4, "zero3": 4}  # DeepSpeed's fp32 partition copy
 
 
 def make_spec(name: str, out: str, model: str = "mlp"):  # noqa: ANN201 - a TrainSpec
-    from polytrain import spec as spec_mod
+    from polytrain import validation
 
     raw = {**BACKENDS[name], "output": out, "seed": 0, "optimizer": {"name": "adam", "lr": 1e-3},
            "model": {"name": "mlp", "params": {"hidden_sizes": list(HIDDEN)}}, "data": {"batch_size": BATCH}}
     if model == "transformer":
         raw["model"] = {"name": "transformer", "params": LM}
         raw["data"] = {"name": "tokens", "batch_size": BATCH, "tokens": {"vocab": VOCAB, "seq_len": SEQ}}
-    return spec_mod.from_dict(raw)
+    return validation.from_dict(raw)
 
 
 def _local(t):  # noqa: ANN001, ANN202 - a DTensor's shard, or the tensor itself
@@ -150,8 +150,8 @@ def worker(name: str, out_file: str, model: str) -> None:
     import numpy as np
 
     from polytrain import registry
+    from polytrain.data.source import DatasetInfo
     from polytrain.environments import detect_world
-    from polytrain.protocols import DatasetInfo
 
     world = detect_world()
     tmp = tempfile.mkdtemp(prefix="polytrain-mem-")

@@ -70,13 +70,13 @@ def anchor_worker(rank: int, port: int, steps: int, out_file: str) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from polytrain import spec as spec_mod
+    from polytrain import validation
     from polytrain.data import load_dataset
 
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    spec = spec_mod.from_dict(spec_dict("tensorflow", "auto", steps, "unused"))
+    spec = validation.from_dict(spec_dict("tensorflow", "auto", steps, "unused"))
     data = load_dataset(spec.data, spec.seed)
     global_batch = 2 * BATCH
     with strategy.scope():

@@ -62,10 +62,10 @@ def hand_written(out: Path) -> float:
 def polytrain_trainer(out: Path, timeline: bool = False) -> float:
     import numpy as np
 
-    from polytrain import spec as spec_mod
+    from polytrain import validation
     from polytrain.trainer import Trainer
 
-    spec = spec_mod.from_dict({
+    spec = validation.from_dict({
         "backend": "ddp", "model": {"name": "mlp", "params": {"hidden_sizes": list(HIDDEN)}},
         "data": {"batch_size": BATCH}, "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
         "loop": {"epochs": 100, "max_steps": STEPS, "log_every_n_steps": WINDOW}, "output": str(out)})

@@ -1,17 +1,23 @@
 """Helpers for tests that start real processes: timeouts, loopback pinned, no process left behind.
 
-Import as ``from procs import run, check, loopback_env, free_port`` (tests/ is on pytest's pythonpath)."""
+Import as ``from procs import run, check, loopback_env, free_port`` (tests/ is on pytest's pythonpath).
+A training job: ``train`` starts ``polytrain train`` the way a launcher does (`command`), ``read_metrics``
+and ``step_losses`` read what its rank 0 logged."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,3 +117,83 @@ def check(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProce
         f"exit {result.returncode}: {' '.join(result.args)}\nstdout:\n{result.stdout[-4000:]}\n"
         f"stderr:\n{result.stderr[-4000:]}")
     return result
+
+
+# ------------------------------------------------------------------------------ training jobs
+
+CLI = ["-m", "polytrain.cli"]
+PYTHON = (sys.executable,)
+
+
+def command(launcher: str, program: Sequence[str], nproc: int = 1, *, exports: Sequence[str] = (),
+            python: Sequence[str] = PYTHON) -> list[str]:
+    """``program`` (a script and its arguments, or ``-m module ...``) started on ``nproc`` ranks by ``launcher``:
+
+    ``python`` one process (``python``: the interpreter's command, e.g. a wrapper that sets limits first);
+    ``torchrun`` on loopback at a free port; ``mpirun`` (Open MPI, ``-x NAME`` for each of ``exports``);
+    ``horovodrun-gloo`` / ``horovodrun-mpi`` on localhost's ``nproc`` slots over ``lo``; ``launch-<name>``:
+    ``polytrain launch --launcher <name>``, whose program is a spec or a script (no ``-m``).
+    """
+    if launcher == "python":
+        return [*python, *program]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}", *program]
+    if launcher == "mpirun":
+        return [str(BIN / "mpirun"), "--oversubscribe", "-np", str(nproc), *[a for name in exports for a in ("-x", name)],
+                *python, *program]
+    if launcher in ("horovodrun-gloo", "horovodrun-mpi"):
+        return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", f"--{launcher.partition('-')[2]}",
+                "--network-interface", "lo", *python, *program]
+    if launcher.startswith("launch-"):
+        return [*python, *CLI, "launch", "--launcher", launcher.partition("-")[2], "-np", str(nproc), *program]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def job_env(env: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """`loopback_env` with ``env`` on top; a None value removes the variable (``MASTER_ADDR: None``: the ranks
+    agree on a master themselves, as under a plain mpirun)."""
+    out = loopback_env()
+    for name, value in (env or {}).items():
+        if value is None:
+            out.pop(name, None)
+        else:
+            out[name] = value
+    return out
+
+
+def set_args(sets: Sequence[str]) -> list[str]:
+    """``--set KEY=VALUE`` for each of ``sets``."""
+    return [a for s in sets for a in ("--set", s)]
+
+
+def train(out: Path, sets: Sequence[str] = (), *, spec: Path | str | None = None, launcher: str | None = None,
+          nproc: int = 1, resume: Path | str | None = None, args: Sequence[str] = (), quiet: bool = True,
+          env: Mapping[str, str | None] | None = None, exports: Sequence[str] = (), python: Sequence[str] = PYTHON,
+          timeout: float = 240) -> Finished:
+    """``polytrain train [SPEC] [--quiet] --set output=OUT --set SETS... [--resume R] ARGS...``, started by
+    ``launcher`` (see `command`; by default one process without a launcher, more under torchrun) in `job_env`
+    with ``env``. The finished command, not checked: wrap it in `check` where the run must succeed."""
+    launcher = launcher or ("python" if nproc == 1 else "torchrun")
+    train_args = [*([str(spec)] if spec is not None else []), *(["--quiet"] if quiet else []),
+                  *set_args([f"output={out}", *sets]), *(["--resume", str(resume)] if resume is not None else []),
+                  *args]
+    program = train_args if launcher.startswith("launch-") else [*CLI, "train", *train_args]
+    return run(command(launcher, program, nproc, exports=exports, python=python), env=job_env(env), timeout=timeout)
+
+
+def read_metrics(out: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The records rank 0 wrote to ``out/metrics.jsonl``, in order; with ``event`` only that kind (``step``,
+    ``epoch``, ``resume``, ...)."""
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return records if event is None else [r for r in records if r["event"] == event]
+
+
+def step_losses(out: Path) -> np.ndarray:
+    """The loss of every logged step, in the order logged."""
+    return np.array([r["loss"] for r in read_metrics(out, "step")])
+
+
+def losses_by_step(out: Path) -> dict[int, float]:
+    """Each logged step's loss by its step number (a resumed run's steps after the ones it resumed from)."""
+    return {r["step"]: r["loss"] for r in read_metrics(out, "step")}

@@ -24,10 +24,10 @@ LABELS = {"hand": "hand-written loop", "polytrain": "polytrain Trainer", "lightn
 
 
 def _data(cfg: SpeedConfig) -> Any:
-    from polytrain import spec as spec_mod
+    from polytrain import validation
     from polytrain.data import load_dataset
 
-    spec = spec_mod.from_dict(cfg.spec(tempfile.gettempdir()))
+    spec = validation.from_dict(cfg.spec(tempfile.gettempdir()))
     return load_dataset(spec.data, seed=spec.seed)
 
 
@@ -35,7 +35,7 @@ def _model(cfg: SpeedConfig, device: Any) -> Any:
     import torch
 
     from polytrain.adapters.torch.transformer import build_transformer
-    from polytrain.protocols import DatasetInfo
+    from polytrain.data.source import DatasetInfo
     from polytrain.zoo import TransformerParams
 
     torch.manual_seed(0)
@@ -103,11 +103,11 @@ def hand(cfg: SpeedConfig) -> dict[str, Any]:
 
 
 def polytrain_trainer(cfg: SpeedConfig) -> dict[str, Any]:
-    from polytrain import spec as spec_mod
+    from polytrain import validation
     from polytrain.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="polytrain-gpu-speed-") as out:
-        Trainer(spec_mod.from_dict(cfg.spec(out)), show_progress=False).fit()
+        Trainer(validation.from_dict(cfg.spec(out)), show_progress=False).fit()
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in records if r.get("event") == "step" and r["step"] % cfg.window == 0]
     times = [cfg.batch / r["samples_per_s"] for r in windows][cfg.warmup_steps // cfg.window:]

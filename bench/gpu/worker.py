@@ -98,8 +98,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def train_run(run: dict[str, Any], world: World, device: str) -> dict[str, Any]:
     import torch
 
-    from polytrain import registry
-    from polytrain import spec as spec_mod
+    from polytrain import registry, validation
     from polytrain.adapters.torch.objectives import LOSSES
     from polytrain.protocols import UserCode
     from polytrain.trainer import Trainer
@@ -109,7 +108,7 @@ def train_run(run: dict[str, Any], world: World, device: str) -> dict[str, Any]:
         base = LOSSES["next_token" if raw["model"]["name"] == "transformer" else "cross_entropy"]
         user = UserCode(loss=InjectInf(base, run["inject_at"], active=world.rank == world.size - 1))
         raw["loss"] = "fit:inject_inf"
-    spec = spec_mod.from_dict(raw)
+    spec = validation.from_dict(raw)
     probe = Probe()
     trainer = Trainer(spec, world, show_progress=False, callbacks=[probe],
                       framework_factory=lambda s, w, b: registry.create_framework(s, w, b, user=user))
@@ -134,11 +133,10 @@ def memory_run(raw: dict[str, Any], world: World, device: str) -> dict[str, Any]
     import torch
 
     from bench.sharded_memory import census, classify
-    from polytrain import registry
-    from polytrain import spec as spec_mod
-    from polytrain.protocols import DatasetInfo
+    from polytrain import registry, validation
+    from polytrain.data.source import DatasetInfo
 
-    spec = spec_mod.from_dict(raw)
+    spec = validation.from_dict(raw)
     tokens = spec.data.tokens
     backend = registry.create_backend(spec, world)
     backend.setup()

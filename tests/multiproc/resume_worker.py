@@ -18,7 +18,7 @@ import datetime
 import json
 import sys
 
-from polytrain import spec as spec_mod
+from polytrain import validation
 from polytrain.environments import detect_world
 from polytrain.trainer import Trainer
 
@@ -26,8 +26,8 @@ from polytrain.trainer import Trainer
 def main(plan_json: str) -> None:
     plan = json.loads(plan_json)
     world = detect_world()
-    specs = [spec_mod.load(r.get("spec"), [*plan.get("sets", ()), *r.get("sets", ()),
-                                            *([f"output={r['output']}"] if "output" in r else [])])
+    specs = [validation.load(r.get("spec"), [*plan.get("sets", ()), *r.get("sets", ()),
+                                              *([f"output={r['output']}"] if "output" in r else [])])
              for r in plan["runs"]]
     group = world.size > 1 and all(s.framework == "torch" and s.backend != "mpi" for s in specs)
     if group:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from polytrain import spec as spec_mod
+from polytrain import validation
 from polytrain.callbacks import RunInfo
 from polytrain.checkpoint import state_digest
 from polytrain.environments import detect_world
@@ -95,7 +95,7 @@ def main(out: str, *sets: str) -> None:
     world = detect_world()
     with open(Path(out, f"rank{world.rank}.stderr"), "w") as log:  # this rank's own progress lines
         os.dup2(log.fileno(), 2)
-    spec = spec_mod.load(None, [*sets, f"output={out}"])
+    spec = validation.load(None, [*sets, f"output={out}"])
     recorder = WeightsAfterEachStep()
     trainer = Trainer(spec, world, show_progress=True, verbose=True, callbacks=[recorder])
     recorder.trainer = trainer

@@ -8,9 +8,9 @@ Horovod script on ``polytrain.horovod.torch`` (without Horovod: the shim's own r
 
 from __future__ import annotations
 
-import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from procs import REPO, free_port, loopback_env
+from procs import REPO, free_port, loopback_env, read_metrics
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(200)]
 
@@ -119,9 +119,25 @@ def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
     assert f"127.0.0.1:{port}" in seen  # the store was seen listening
     assert all(address.startswith("127.0.0.1:") for address in seen), seen
     assert f"rendezvous listens on 127.0.0.1:{port} (single node: loopback only)" in outputs[0][1]
-    events = [json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").read_text().splitlines()]
     assert {"event": "rendezvous", "listen": f"127.0.0.1:{port} (single node: loopback only)"}.items() <= \
-        next(e for e in events if e["event"] == "rendezvous").items()
+        read_metrics(tmp_path / "0", "rendezvous")[0].items()
+
+
+def test_a_master_named_by_host_name_on_one_host_binds_what_the_name_resolves_to(tmp_path: Path) -> None:
+    """MASTER_ADDR = this host's name (Debian resolves it to 127.0.1.1, others to their address): rank 0's
+    store listens where the name resolves, as every rank resolves it alike, not on every interface."""
+    from polytrain.net import addresses_of
+
+    port = free_port()
+    name = socket.gethostname()
+    address = addresses_of(name)[0]
+    commands = [[sys.executable, "-m", "polytrain.cli", "train", "--set", "loop.epochs=2",
+                 "--set", f"output={tmp_path / str(rank)}"] for rank in (0, 1)]
+    codes, outputs, seen = watch(commands, {**single_node_env(port), "MASTER_ADDR": name})
+    assert codes == [0, 0], outputs[0][1][-2000:]
+    assert f"{address}:{port}" in seen, seen  # the store was seen listening there
+    assert not any(a.startswith(("0.0.0.0:", ":::")) for a in seen), seen
+    assert f"rendezvous listens on {address}:{port} (single node: " in outputs[0][1]
 
 
 def test_tf_multiworker_says_where_tensorflow_listens_and_keeps_polytrains_own_sockets_on_loopback(

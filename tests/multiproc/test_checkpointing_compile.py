@@ -19,25 +19,20 @@ a loaded 2-core machine, the inductor cache (``/tmp/torchinductor_<user>``) make
 
 from __future__ import annotations
 
-import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, free_port, loopback_env, run
+from procs import check, step_losses, train
+from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
 
 from polytrain.checkpoint import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 # 640 sequences: 512 for training, 16 steps of 32 an epoch (no partial batch to compile a second time)
-LM = ["model.name=transformer", "data.name=tokens", "data.tokens.samples=640", "data.tokens.seq_len=16",
-      "data.tokens.vocab=32", "model.params.d_model=32", "model.params.n_heads=4", "model.params.n_layers=2",
-      "optimizer.name=sgd", "optimizer.lr=1.0", "optimizer.momentum=0.9", "schedule.decay=cosine",
-      "loop.epochs=2", "loop.max_steps=22", "loop.grad_accum_steps=2", "loop.grad_clip_norm=0.5",
-      "loop.log_every_n_steps=1"]
+LM = as_sets(merged(lm(tokens={**TOKENS, "samples": 640}), PARITY_TRAINING))
 STEPS = 22
 DROPOUT, NO_DROPOUT = ["model.params.dropout=0.1"], ["model.params.dropout=0.0"]
 CHECKPOINTING, COMPILE = ["activation_checkpointing=true"], ["compile.enabled=true"]
@@ -49,18 +44,11 @@ pytestmark.append(pytest.mark.skipif(shutil.which("g++") is None and shutil.whic
                                      reason="torch.compile on CPU needs a C++ compiler"))
 
 
-def train(out: Path, layout: str, sets: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def trained(out: Path, layout: str, changes: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     nproc, backend = LAYOUTS[layout]
-    args = ["train", "--quiet", *[a for s in [*LM, *backend, f"output={out}", *sets] for a in ("--set", s)]]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "polytrain.cli", *args]
-    else:
-        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "polytrain.cli", *args]
-    result = check(run(cmd, timeout=500, env=loopback_env()))
+    result = check(train(out, [*LM, *backend, *changes], nproc=nproc, timeout=500))
     assert not result.left_behind, result.left_behind
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = np.array([e["loss"] for e in events if e["event"] == "step"])
+    losses = step_losses(out)
     state, manifest = read_model(out)
     assert len(losses) == STEPS and manifest["world_size"] == nproc
     assert manifest["backend"] == next(a.partition("=")[2] for a in backend if a.startswith("backend="))
@@ -80,8 +68,8 @@ def differences(run: tuple, ref: tuple) -> tuple[float, float]:
 
 @pytest.mark.parametrize("layout", ["local", "ddp", "zero3"])  # fsdp: test_sharded_parity.py (the alias)
 def test_checkpointing_keeps_the_run(layout: str, tmp_path: Path) -> None:
-    ref = train(tmp_path / "eager", layout, DROPOUT)
-    ours = train(tmp_path / "checkpointing", layout, [*DROPOUT, *CHECKPOINTING])
+    ref = trained(tmp_path / "eager", layout, DROPOUT)
+    ours = trained(tmp_path / "checkpointing", layout, [*DROPOUT, *CHECKPOINTING])
     loss_rel, weight_rel = differences(ours, ref)
     print(f"\n{layout} checkpointing: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
     assert loss_rel < 1e-5 and weight_rel < 1e-5
@@ -91,15 +79,15 @@ def test_checkpointing_keeps_the_run(layout: str, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def two_ranks_eager(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """2 DDP ranks, eager, no checkpointing: FSDP and ZeRO-3 train like it (tests/multiproc/test_sharded_parity.py)."""
-    return train(tmp_path_factory.mktemp("ddp-eager"), "ddp", NO_DROPOUT)
+    return trained(tmp_path_factory.mktemp("ddp-eager"), "ddp", NO_DROPOUT)
 
 
 @pytest.mark.parametrize(("layout", "extra"), [("local", []), ("ddp", []), ("ddp", CHECKPOINTING),
                                                ("fsdp", CHECKPOINTING), ("zero3", CHECKPOINTING)],
                          ids=["local", "ddp", "ddp+checkpointing", "fsdp+checkpointing", "zero3+checkpointing"])
 def test_compile_keeps_the_run(layout: str, extra: list[str], two_ranks_eager: tuple, tmp_path: Path) -> None:
-    ref = train(tmp_path / "eager", layout, NO_DROPOUT) if layout == "local" else two_ranks_eager
-    ours = train(tmp_path / "compiled", layout, [*NO_DROPOUT, *COMPILE, *extra])
+    ref = trained(tmp_path / "eager", layout, NO_DROPOUT) if layout == "local" else two_ranks_eager
+    ours = trained(tmp_path / "compiled", layout, [*NO_DROPOUT, *COMPILE, *extra])
     loss_rel, weight_rel = differences(ours, ref)
     print(f"\n{layout} compile{' + checkpointing' if extra else ''}: losses within {loss_rel:.1e}, "
           f"weights within {weight_rel:.1e}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, loopback_env, run
+from procs import BIN, check, loopback_env, run, step_losses
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("torch")
@@ -62,9 +62,7 @@ def assert_parity(out: Path, labels: list[str], backends: dict[str, str], world_
             assert (manifest["framework"], manifest["backend"]) == (framework, backends[framework])
             assert manifest["world_size"] == world_size and manifest["global_step"] == STEPS
             assert len(set(manifest["rank_state_digests"])) == 1, f"{label}/{framework}: ranks' weights differ"
-            events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            logged = [e["loss"] for e in events if e["event"] == "step"]
-            np.testing.assert_array_equal(logged, curve, err_msg=f"{label}/{framework}: metrics.jsonl")
+            np.testing.assert_array_equal(step_losses(run_dir), curve, err_msg=f"{label}/{framework}: metrics.jsonl")
 
 
 def parity(cmd_prefix: list[str], runs: dict, torch_backend: str, tf_backend: str, out: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import check, loopback_env, run
+from procs import check, train
 
 from polytrain.checkpoint import complete_checkpoints, load_checkpoint
 
@@ -25,22 +25,17 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
-def train(out: Path, sets: list[str], *extra: str, limit: int | None = None):
-    cmd = [sys.executable, "-m", "polytrain.cli", "train", "--quiet",
-           *[a for s in [*SETS, f"output={out}", *sets] for a in ("--set", s)], *extra]
-    env = loopback_env()
-    if limit is not None:
-        wrapper = out.parent / "limited.py"
-        wrapper.write_text(LIMITED)
-        cmd = [sys.executable, str(wrapper), *cmd[1:]]
-        env["FILE_SIZE_LIMIT"] = str(limit)
-    return run(cmd, env=env, timeout=200)
+def limited(folder: Path) -> list[str]:
+    """A Python that runs under the file-size limit ``$FILE_SIZE_LIMIT``."""
+    wrapper = folder / "limited.py"
+    wrapper.write_text(LIMITED)
+    return [sys.executable, str(wrapper)]
 
 
 def test_output_that_cannot_be_created_is_a_one_line_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    result = train(tmp_path / "out", [f"output={blocker / 'run'}"])
+    result = train(tmp_path / "out", [*SETS, f"output={blocker / 'run'}"], timeout=200)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"polytrain: error: output: cannot write to {blocker / 'run'} (Not a directory); choose a writable directory"]
@@ -48,13 +43,14 @@ def test_output_that_cannot_be_created_is_a_one_line_error(tmp_path: Path) -> No
 
 def test_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    check(train(out, ["loop.max_steps=20"]))
+    check(train(out, [*SETS, "loop.max_steps=20"], timeout=200))
     root = out / "checkpoints"
     before = complete_checkpoints(root)
     assert [p.name for p in before] == ["step-00000010", "step-00000020"]
     model_bytes = (before[-1] / "model.safetensors").stat().st_size
     # resume with every file capped below a checkpoint's size: the save at step 30 fails
-    result = train(out, [], "--resume", "auto", limit=model_bytes // 2)
+    result = train(out, SETS, resume="auto", python=limited(tmp_path), env={"FILE_SIZE_LIMIT": str(model_bytes // 2)},
+                   timeout=200)
     assert result.returncode == 1, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last == (f"polytrain: error: checkpoint.dir: cannot write the checkpoint of step 30 under {root} "
@@ -65,5 +61,5 @@ def test_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path: Pa
     assert (root / "latest").read_text().strip() == "step-00000020"
     manifest, _ = load_checkpoint(before[-1])  # verifies every file's checksum
     assert manifest["global_step"] == 20
-    check(train(out, [], "--resume", "auto"))  # space is back: the run continues from step 20 and finishes
+    check(train(out, SETS, resume="auto", timeout=200))  # space is back: the run continues from step 20 and finishes
     assert json.loads((out / "model.json").read_text())["global_step"] == 90  # 2 epochs of ceil(1437 / 32)

@@ -3,13 +3,12 @@ and ends with exactly the weights of an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, free_port, loopback_env, run
+from procs import BIN, check, free_port, loopback_env, read_metrics, run
 
 from polytrain.checkpoint import read_model
 
@@ -48,8 +47,7 @@ def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path: Path, launcher
         cmd = [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", "2",
                "--max-restarts", "1", spec, *sets(killed)]
     check(run(cmd, env=env(fault_at=27)))  # mid-epoch 2 (23 steps per epoch); newest checkpoint: 20
-    events = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
-    resumes = [e for e in events if e["event"] == "resume"]
+    resumes = read_metrics(killed, "resume")
     assert len(resumes) == 1 and resumes[0]["step"] == 20, resumes
     clean_state, clean_manifest = read_model(clean)
     state, manifest = read_model(killed)
@@ -75,8 +73,7 @@ def test_under_mpirun_a_dead_rank_ends_the_job_and_resume_auto_continues(tmp_pat
     assert "process rank 1 with PID" in first.stdout + first.stderr and "signal 9" in first.stdout + first.stderr
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step-00000020"
     check(run([*cmd, "--resume", "auto"], env=mpi_env))
-    events = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "resume"] == [20]
+    assert [e["step"] for e in read_metrics(killed, "resume")] == [20]
     clean_state, _ = read_model(clean)
     state, manifest = read_model(killed)
     assert manifest["global_step"] == 46 and manifest["backend"] == "ddp"

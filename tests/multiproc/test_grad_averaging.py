@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, free_port, run
+from procs import check, step_losses, train
 
 from polytrain.checkpoint import read_model
 
@@ -19,28 +17,20 @@ COMMON = ["data.name=digits", "optimizer.name=sgd", "optimizer.lr=0.1", "optimiz
           "model.params.hidden_sizes=[64, 32]"]
 
 
-def train(out: Path, *, nproc: int, batch: int, accum: int, extra: list[str] = ()) -> tuple[list[float], dict]:
-    sets = [*COMMON, f"data.batch_size={batch}", f"loop.grad_accum_steps={accum}", f"output={out}", *extra]
-    args = ["train", *[a for s in sets for a in ("--set", s)]]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "polytrain.cli", *args]
-    else:
-        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "polytrain.cli", *args]
-    check(run(cmd))
-    losses = [e["loss"] for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-              if e["event"] == "step"]
+def trained(out: Path, *, nproc: int, batch: int, accum: int, extra: list[str] = ()) -> tuple[np.ndarray, dict]:
+    sets = [*COMMON, f"data.batch_size={batch}", f"loop.grad_accum_steps={accum}", *extra]
+    check(train(out, sets, nproc=nproc, quiet=False))
     state, manifest = read_model(out)
     assert len(set(manifest["rank_state_digests"])) == 1
-    return losses, state
+    return step_losses(out), state
 
 
 @pytest.mark.parametrize("extra", [[], ["loop.grad_clip_norm=0.5", "optimizer.name=adam", "optimizer.lr=0.01",
                                         "optimizer.momentum=0.0"]], ids=["sgd", "adam+clip"])
 def test_two_ranks_equal_one_process_with_double_batch(tmp_path: Path, extra: list[str]) -> None:
-    ddp_losses, ddp_state = train(tmp_path / "ddp", nproc=2, batch=16, accum=1, extra=extra)
-    big_losses, big_state = train(tmp_path / "big", nproc=1, batch=32, accum=1, extra=extra)
-    acc_losses, acc_state = train(tmp_path / "acc", nproc=1, batch=16, accum=2, extra=extra)
+    ddp_losses, ddp_state = trained(tmp_path / "ddp", nproc=2, batch=16, accum=1, extra=extra)
+    big_losses, big_state = trained(tmp_path / "big", nproc=1, batch=32, accum=1, extra=extra)
+    acc_losses, acc_state = trained(tmp_path / "acc", nproc=1, batch=16, accum=2, extra=extra)
     assert len(ddp_losses) == len(big_losses) == len(acc_losses) == 25
     np.testing.assert_allclose(ddp_losses, big_losses, rtol=1e-5)
     np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-5)

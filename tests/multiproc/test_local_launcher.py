@@ -199,7 +199,8 @@ def test_real_mpirun_command_runs_both_ranks(tmp_path):
                         env=LOOPBACK_ENV)
     command = mpirun.LAUNCHER.resolved_command(req, required=True)
     assert os.path.basename(command[0]) == "mpirun" and command[1:3] == ["-np", "2"]
-    code, out, err = run_with_timeout(command, timeout=120)
+    # the command names the variables (-x NAME); their values come from mpirun's environment
+    code, out, err = run_with_timeout(command, timeout=120, env={**os.environ, **mpirun.LAUNCHER.launcher_env(req)})
     assert code == 0, err
     assert "rank 0 of 2 sum 3" in out and "rank 1 of 2 sum 3" in out
 

@@ -6,14 +6,13 @@ measured by bench/fault_timing.py.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
-from procs import check, free_port, loopback_env, run
+from procs import check, free_port, loopback_env, read_metrics, run
 
 from polytrain.checkpoint import read_model
 
@@ -45,8 +44,7 @@ def test_nan_loss_on_one_rank_is_seen_by_all(tmp_path: Path, policy: str) -> Non
         assert "Traceback" not in result.stderr
     else:
         check(result)
-        events = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [e["step"] for e in events if e["event"] == "nonfinite"] == [5]
+        assert [e["step"] for e in read_metrics(out, "nonfinite")] == [5]
         state, manifest = read_model(out)
         assert len(set(manifest["rank_state_digests"])) == 1
         assert all(bool((abs(v) < 1e6).all()) for v in state.values())  # no NaN reached the weights

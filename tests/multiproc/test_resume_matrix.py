@@ -19,13 +19,13 @@ same validation accuracy.
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, free_port, loopback_env, run
+from procs import check, command, job_env, losses_by_step, read_metrics, run, train
 
 from polytrain import checkpoint as ckpt
 
@@ -46,7 +46,8 @@ WORKER = str(Path(__file__).resolve().parent / "resume_worker.py")
 
 @dataclass(frozen=True)
 class Job:
-    """How one backend runs: processes, launcher (python, torchrun or mpirun) and the spec's backend fields."""
+    """How one backend runs: processes, launcher (python, torchrun, mpirun or launch-local: procs.command's
+    names) and the spec's backend fields."""
 
     nproc: int
     sets: tuple[str, ...]
@@ -55,6 +56,11 @@ class Job:
     @property
     def backend(self) -> str:
         return next(s.partition("=")[2] for s in self.sets if s.startswith("backend="))
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str | None]:
+        """The variables this job adds to the loopback environment (``extra`` among them)."""
+        away = {"MASTER_ADDR": None} if self.launcher == "mpirun" else {}  # the ranks agree on one through MPI
+        return {**away, **(extra or {})}
 
 
 SOURCES = {
@@ -70,34 +76,21 @@ TARGETS = {**SOURCES, "ddp@3": Job(3, ("backend=ddp",))}
 TENSORFLOW = Job(1, ("framework=tensorflow", "backend=local"), "python")
 
 
-def command(job: Job, program: list[str]) -> tuple[list[str], dict[str, str]]:
-    env = loopback_env()
-    if job.launcher == "mpirun":
-        env.pop("MASTER_ADDR")  # the ranks agree on one through MPI
-        return [str(BIN / "mpirun"), "--oversubscribe", "-np", str(job.nproc), sys.executable, *program], env
-    if job.launcher == "python":
-        return [sys.executable, *program], env
-    return [str(BIN / "torchrun"), f"--nproc_per_node={job.nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", *program], env
-
-
-def train(job: Job, out: Path, sets: list[str], resume: Path | None = None,
-          env_extra: dict[str, str] | None = None) -> None:
+def trained(job: Job, out: Path, sets: list[str], resume: Path | None = None,
+            env_extra: Mapping[str, str] | None = None, timeout: float = 300, spec: Path | None = None) -> None:
     """``polytrain train`` as the job's launcher starts it."""
-    args = ["-m", "polytrain.cli", "train", "--quiet",
-            *[a for s in [*COMMON, *job.sets, f"output={out}", *sets] for a in ("--set", s)]]
-    if resume is not None:
-        args += ["--resume", str(resume)]
-    cmd, env = command(job, args)
-    check(run(cmd, env={**env, **(env_extra or {})}, timeout=300))
+    check(train(out, [*COMMON, *job.sets, *sets], spec=spec, launcher=job.launcher, nproc=job.nproc, resume=resume,
+                env=job.env(env_extra), timeout=timeout))
 
 
-def events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_losses(out: Path) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in events(out) if e["event"] == "step"}
+def resume_plan(job: Job, checkpoints: dict[str, Path], outs: dict[str, Path], env_extra: Mapping[str, str] | None,
+                timeout: float) -> dict[str, Run]:
+    """One launch of ``resume_worker.py`` that resumes from each checkpoint in turn into its ``outs`` folder."""
+    plan = {"sets": [*COMMON, *job.sets],
+            "runs": [{"output": str(outs[name]), "resume": str(path)} for name, path in checkpoints.items()]}
+    check(run(command(job.launcher, [WORKER, json.dumps(plan)], job.nproc), env=job_env(job.env(env_extra)),
+              timeout=timeout))
+    return {name: Run.read(out) for name, out in outs.items()}
 
 
 @dataclass
@@ -110,7 +103,7 @@ class Run:
     @classmethod
     def read(cls, out: Path) -> Run:
         state, manifest = ckpt.read_model(out)
-        return cls(out, step_losses(out), state, manifest)
+        return cls(out, losses_by_step(out), state, manifest)
 
     @property
     def checkpoint(self) -> Path:
@@ -127,7 +120,7 @@ class Sources:
     def __getitem__(self, name: str) -> Run:
         if name not in self.runs:
             out = self.root / name
-            train(SOURCES[name], out, [f"checkpoint.every_n_steps={SAVED}"])
+            trained(SOURCES[name], out, [f"checkpoint.every_n_steps={SAVED}"])
             self.runs[name] = Run.read(out)
         return self.runs[name]
 
@@ -151,7 +144,7 @@ def continuation_problems(resumed: Run, source: Run, tolerance: float) -> tuple[
     """What is wrong with ``resumed`` as the continuation of ``source`` from step 10 (nothing: []), and by how much
     its losses and final weights differ."""
     problems = []
-    resumes = [e for e in events(resumed.out) if e["event"] == "resume"]
+    resumes = read_metrics(resumed.out, "resume")
     if [(e["step"], e["path"]) for e in resumes] != [(SAVED, str(source.checkpoint))]:
         problems.append(f"resume events {resumes}")
     if sorted(resumed.losses) != AFTER:  # a restart would log steps 1–20
@@ -173,12 +166,7 @@ def continuation_problems(resumed: Run, source: Run, tolerance: float) -> tuple[
 def resume_all(job: Job, root: Path, checkpoints: dict[str, Path], env_extra: dict[str, str] | None = None,
                timeout: float = 500) -> dict[str, Run]:
     """One launch of ``job`` that resumes from each checkpoint in turn; each run's result by name."""
-    outs = {name: root / name for name in checkpoints}
-    plan = {"sets": [*COMMON, *job.sets],
-            "runs": [{"output": str(outs[name]), "resume": str(path)} for name, path in checkpoints.items()]}
-    cmd, env = command(job, [WORKER, json.dumps(plan)])
-    check(run(cmd, env={**env, **(env_extra or {})}, timeout=timeout))
-    return {name: Run.read(out) for name, out in outs.items()}
+    return resume_plan(job, checkpoints, {name: root / name for name in checkpoints}, env_extra, timeout)
 
 
 # ------------------------------------------------------------------------------ PyTorch backends
@@ -237,8 +225,8 @@ def test_resume_with_adam_moments_zeroed_is_caught(sources: Sources, tmp_path: P
     zeroed = ckpt.save_checkpoint(tmp_path / "zeroed", SAVED, {"model": tensors["model"], "optimizer": optimizer},
                                   manifest)
     out = tmp_path / "resumed"
-    train(SOURCES["local"], out, [], resume=zeroed)
-    losses = step_losses(out)
+    trained(SOURCES["local"], out, [], resume=zeroed)
+    losses = losses_by_step(out)
     assert sorted(losses) == AFTER
     assert losses[SAVED + 1] == pytest.approx(source.losses[SAVED + 1], rel=TOLERANCE)  # same weights at step 11
     miss = relative([losses[s] for s in AFTER], [source.losses[s] for s in AFTER])
@@ -273,13 +261,13 @@ def test_tensorflow_checkpoint_resumes_in_torch(tmp_path: Path) -> None:
     """A TensorFlow run's checkpoint continues on PyTorch, on one process and on 2 DDP ranks."""
     pytest.importorskip("tensorflow")
     out = tmp_path / "tensorflow"
-    train(TENSORFLOW, out, [f"checkpoint.every_n_steps={SAVED}"], env_extra=tf_env())
+    trained(TENSORFLOW, out, [f"checkpoint.every_n_steps={SAVED}"], env_extra=tf_env())
     source = Run.read(out)
     assert source.manifest["framework"] == "tensorflow" and source.losses[TOTAL] < source.losses[1] - 0.3
     failures = []
     for name, job in (("local", SOURCES["local"]), ("ddp", SOURCES["ddp"])):
         resumed_out = tmp_path / name
-        train(job, resumed_out, [], resume=source.checkpoint)
+        trained(job, resumed_out, [], resume=source.checkpoint)
         resumed = Run.read(resumed_out)
         assert resumed.manifest["framework"] == "torch"
         problems, differences = continuation_problems(resumed, source, TF_TOLERANCE)
@@ -294,33 +282,19 @@ def test_tensorflow_checkpoint_resumes_in_torch(tmp_path: Path) -> None:
 TF_COMMON = ("framework=tensorflow",)
 TF_SOURCES = {
     "tf-local": Job(1, (*TF_COMMON, "backend=local"), "python"),
-    "tf-multiworker": Job(2, (*TF_COMMON, "backend=tf-multiworker"), "polytrain-local"),
+    "tf-multiworker": Job(2, (*TF_COMMON, "backend=tf-multiworker"), "launch-local"),  # polytrain's own launcher
     "tf-mpi": Job(2, (*TF_COMMON, "backend=mpi"), "mpirun"),
     "tf-horovod": Job(2, (*TF_COMMON, "backend=horovod"), "mpirun"),
 }
 
 
-def tf_command(job: Job, program: list[str]) -> tuple[list[str], dict[str, str]]:
-    if job.launcher != "polytrain-local":
-        cmd, env = command(job, program)
-        return cmd, {**env, **tf_env()}
-    # polytrain's own launcher: it starts `python PROGRAM...` on each rank with torchrun-style variables
-    return ([sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", str(job.nproc),
-             *program], {**loopback_env(), **tf_env()})
-
-
 def tf_train(job: Job, out: Path, sets: list[str], resume: Path | None = None) -> None:
-    args = ["--quiet", *[a for s in [*COMMON, *job.sets, f"output={out}", *sets] for a in ("--set", s)]]
-    if resume is not None:
-        args += ["--resume", str(resume)]
-    if job.launcher == "polytrain-local":
+    spec = None
+    if job.launcher == "launch-local":  # polytrain launch takes a spec file first
         out.parent.mkdir(parents=True, exist_ok=True)
         spec = out.parent / f"{out.name}.spec.yaml"
         spec.write_text("framework: tensorflow\n")
-        cmd, env = tf_command(job, [str(spec), *args])
-    else:
-        cmd, env = tf_command(job, ["-m", "polytrain.cli", "train", *args])
-    check(run(cmd, env=env, timeout=400))
+    trained(job, out, sets, resume=resume, env_extra=tf_env(), timeout=400, spec=spec)
 
 
 @pytest.fixture(scope="module")
@@ -351,18 +325,14 @@ def test_tensorflow_backends_resume_each_other(tf_sources: dict[str, Run], tmp_p
     for target in names:
         job = TF_SOURCES[target]
         checkpoints = {name: tf_sources[name].checkpoint for name in names}
-        if job.launcher == "polytrain-local":
+        if job.launcher == "launch-local":
             resumed = {}
             for name, path in checkpoints.items():
                 tf_train(job, tmp_path / target / name, [], resume=path)
                 resumed[name] = Run.read(tmp_path / target / name)
         else:
             outs = {name: tmp_path / target / name for name in checkpoints}
-            plan = {"sets": [*COMMON, *job.sets],
-                    "runs": [{"output": str(outs[n]), "resume": str(p)} for n, p in checkpoints.items()]}
-            cmd, env = tf_command(job, [WORKER, json.dumps(plan)])
-            check(run(cmd, env=env, timeout=500))
-            resumed = {name: Run.read(out) for name, out in outs.items()}
+            resumed = resume_plan(job, checkpoints, outs, tf_env(), timeout=500)
         for name, run_ in resumed.items():
             assert (run_.manifest["backend"], run_.manifest["world_size"]) == (job.backend, job.nproc)
             problems, differences = continuation_problems(run_, tf_sources[name], TOLERANCE)

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 import pytest
-from procs import BIN, free_port, loopback_env, run
+from procs import command, job_env, run
 
 pytest.importorskip("torch")
 
@@ -35,12 +35,11 @@ SETS = ["model.name=sharded_nonfinite_worker:make", f"model.params.poison_at={PO
 REASON = f"step {POISON_AT}: the loss or a gradient is NaN/Inf"
 
 
-def train(out: Path, sets: list[str]) -> tuple[list[dict], list[str]]:
-    """Two ranks under torchrun; each rank's report and its own stderr."""
+def run_worker(out: Path, sets: list[str]) -> tuple[list[dict], list[str]]:
+    """The worker on two ranks under torchrun; each rank's report and its own stderr."""
     out.mkdir()
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           WORKER, str(out), *SETS, *sets]
-    result = run(cmd, env=loopback_env(PYTHONPATH=f"{HERE}:{HERE.parent}"), timeout=200)
+    result = run(command("torchrun", [WORKER, str(out), *SETS, *sets], 2),
+                 env=job_env({"PYTHONPATH": f"{HERE}:{HERE.parent}"}), timeout=200)
     stderr = [(out / f"rank{r}.stderr").read_text() if (out / f"rank{r}.stderr").exists() else "" for r in (0, 1)]
     everything = f"{result.stderr[-2000:]}\n" + "\n".join(f"--- rank {r}:\n{s[-3000:]}" for r, s in enumerate(stderr))
     missing = [r for r in (0, 1) if not (out / f"rank{r}.json").exists()]
@@ -54,7 +53,7 @@ def nonfinite_lines(stderr: str) -> list[str]:
 
 
 def test_fsdp_every_rank_skips_the_step_only_rank_1s_shard_made_nonfinite(tmp_path: Path) -> None:
-    reports, stderr = train(tmp_path / "out", ["backend=fsdp", "reliability.on_nonfinite=skip"])
+    reports, stderr = run_worker(tmp_path / "out", ["backend=fsdp", "reliability.on_nonfinite=skip"])
     for rank, (report, err) in enumerate(zip(reports, stderr)):
         assert nonfinite_lines(err) == [f"[rank {rank}] {REASON}; step skipped (on_nonfinite: skip)"], (rank, err)
         assert report["error"] is None, report
@@ -72,8 +71,8 @@ def test_fsdp_every_rank_skips_the_step_only_rank_1s_shard_made_nonfinite(tmp_pa
 def test_deepspeed_zero_every_rank_stops_at_the_step_only_rank_1s_partition_made_nonfinite(
         stage: int, tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
-    reports, stderr = train(tmp_path / "out", ["backend=deepspeed", f"deepspeed.stage={stage}",
-                                               "reliability.on_nonfinite=stop"])
+    reports, stderr = run_worker(tmp_path / "out", ["backend=deepspeed", f"deepspeed.stage={stage}",
+                                                    "reliability.on_nonfinite=stop"])
     for rank, report in enumerate(reports):
         assert report["error"] is not None and report["error"].startswith(f"{REASON}; stopped"), (rank, report,
                                                                                                   stderr[rank][-3000:])

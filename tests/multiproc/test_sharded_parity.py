@@ -18,22 +18,18 @@ validation accuracy; each ZeRO run also writes DeepSpeed's own checkpoint, which
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, free_port, run
+from procs import check, step_losses, train
+from specs import PARITY_TRAINING, as_sets, lm, merged
 
 from polytrain.checkpoint import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-LM = ["model.name=transformer", "data.name=tokens", "data.tokens.samples=512", "data.tokens.seq_len=16",
-      "data.tokens.vocab=32", "model.params.d_model=32", "model.params.n_heads=4", "model.params.n_layers=2",
-      "optimizer.name=sgd", "optimizer.lr=1.0", "optimizer.momentum=0.9", "schedule.decay=cosine",
-      "loop.epochs=2", "loop.max_steps=22",
-      "loop.grad_accum_steps=2", "loop.grad_clip_norm=0.5", "loop.log_every_n_steps=1"]
+LM = as_sets(merged(lm(), PARITY_TRAINING))
 STEPS, TOLERANCE = 22, 1e-5
 
 BACKENDS = {
@@ -48,26 +44,18 @@ BACKENDS = {
 }
 
 
-def train(out: Path, sets: list[str], nproc: int,
-          resume: Path | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
-    args = ["train", "--quiet", *[a for s in [*LM, f"output={out}", *sets] for a in ("--set", s)]]
-    if resume is not None:
-        args += ["--resume", str(resume)]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "polytrain.cli", *args]
-    else:
-        cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", "-m", "polytrain.cli", *args]
-    check(run(cmd, timeout=400))
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = np.array([e["loss"] for e in events if e["event"] == "step"])
+def trained(out: Path, changes: list[str], nproc: int,
+            resume: Path | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
+    """The LM job with ``changes``, on one process or ``nproc`` ranks under torchrun: per-step losses, weights,
+    manifest."""
+    check(train(out, [*LM, *changes], nproc=nproc, resume=resume, timeout=400))
     state, manifest = read_model(out)
-    return losses, state, manifest
+    return step_losses(out), state, manifest
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
-    return train(tmp_path_factory.mktemp("local"), ["backend=local", "data.batch_size=16"], nproc=1)
+    return trained(tmp_path_factory.mktemp("local"), ["backend=local", "data.batch_size=16"], nproc=1)
 
 
 def weight_difference(state: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
@@ -80,12 +68,12 @@ def plain_model_accuracy(state: dict[str, np.ndarray], manifest: dict) -> float:
     """Next-token accuracy of the exported weights in a plain, single-process LM on the validation split."""
     import torch
 
-    from polytrain import spec as spec_mod
+    from polytrain import validation
     from polytrain.adapters.torch.transformer import build_transformer
     from polytrain.data import load_dataset
     from polytrain.zoo import model_params
 
-    spec = spec_mod.from_dict(manifest["spec"])
+    spec = validation.from_dict(manifest["spec"])
     data = load_dataset(spec.data, spec.seed)
     model = build_transformer(model_params(spec.model.name, spec.model.params), data.info)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
@@ -98,7 +86,7 @@ def plain_model_accuracy(state: dict[str, np.ndarray], manifest: dict) -> float:
 @pytest.mark.parametrize("name", BACKENDS)
 def test_two_ranks_match_local(name: str, reference: tuple, tmp_path: Path) -> None:
     ref_losses, ref_state, ref_manifest = reference
-    losses, state, manifest = train(tmp_path, [*BACKENDS[name], "data.batch_size=8"], nproc=2)
+    losses, state, manifest = trained(tmp_path, [*BACKENDS[name], "data.batch_size=8"], nproc=2)
     assert len(losses) == len(ref_losses) == STEPS
     assert manifest["backend"] == next(s.partition("=")[2] for s in BACKENDS[name] if s.startswith("backend="))
     assert len(set(manifest["rank_state_digests"])) == 1, "ranks exported different weights"
@@ -130,7 +118,7 @@ def test_two_ranks_match_local(name: str, reference: tuple, tmp_path: Path) -> N
 def test_clipping_changes_the_run(reference: tuple, tmp_path: Path) -> None:
     """Without clipping the same run differs: the parity above covers clipping, not just the loss."""
     ref_losses, ref_state, _ = reference
-    losses, state, _ = train(tmp_path, ["backend=local", "data.batch_size=16", "loop.grad_clip_norm=null"], nproc=1)
+    losses, state, _ = trained(tmp_path, ["backend=local", "data.batch_size=16", "loop.grad_clip_norm=null"], nproc=1)
     assert np.max(np.abs(losses - ref_losses) / ref_losses) > 1e-3
     assert weight_difference(state, ref_state) > 1e-2
 
@@ -140,11 +128,11 @@ def test_zero3_checkpoint_resumes_on_zero3_and_fsdp(tmp_path: Path) -> None:
     adam = ["optimizer.name=adam", "optimizer.lr=0.01", "optimizer.momentum=0.0", "schedule.decay=none",
             "loop.max_steps=null", "loop.grad_clip_norm=null", "data.batch_size=8"]
     zero3 = ["backend=deepspeed", "deepspeed.stage=3"]
-    full_losses, full_state, _ = train(tmp_path / "full", [*adam, *zero3, "checkpoint.every_n_epochs=1"], nproc=2)
+    full_losses, full_state, _ = trained(tmp_path / "full", [*adam, *zero3, "checkpoint.every_n_epochs=1"], nproc=2)
     first_epoch = sorted((tmp_path / "full" / "checkpoints").glob("step-*"))[0]
     resumed = len(full_losses) // 2
     for name, backend in (("zero3", zero3), ("fsdp", ["backend=fsdp"])):
-        losses, state, manifest = train(tmp_path / name, [*adam, *backend], nproc=2, resume=first_epoch)
+        losses, state, manifest = trained(tmp_path / name, [*adam, *backend], nproc=2, resume=first_epoch)
         assert len(losses) == len(full_losses) - resumed and manifest["global_step"] == len(full_losses)
         np.testing.assert_allclose(losses, full_losses[resumed:], rtol=TOLERANCE)
         if name == "zero3":

@@ -1,9 +1,10 @@
 """TensorFlow backends on 2 real processes: mpi and tf-multiworker under mpirun, tf-multiworker under
 ``polytrain launch --launcher local``, horovod (real Horovod's TF ops) under horovodrun and mpirun.
 
-Every run must end with bit-identical weights on both ranks, ≥ 0.95 validation accuracy on
-digits, and — gradient averaging being exact — the per-step loss and final weights of one
-process with twice the batch (and of one process with 2 micro-steps) within 1e-5.
+Every run must end with bit-identical weights on both ranks and — gradient averaging being
+exact — the per-step loss and final weights of one process with twice the batch (and of one
+process with 2 micro-steps) within 1e-5, and its validation accuracy within two of the 359
+digits (a fixed ≥ 0.95 sat 0.011 below the 0.961 reached here).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, loopback_env, run
+from procs import BIN, check, loopback_env, run, step_losses
 
 from polytrain.checkpoint import read_model
 from polytrain.horovod.common import _import_error
@@ -42,11 +43,6 @@ def tf_env(**extra: str) -> dict[str, str]:
     return loopback_env(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", **extra)
 
 
-def losses(out: Path) -> np.ndarray:
-    events = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-    return np.array([e["loss"] for e in events if e["event"] == "step"])
-
-
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tf-spec") / "spec.yaml"
@@ -60,7 +56,7 @@ def reference(spec_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     out = tmp_path_factory.mktemp("tf-reference")
     check(run([sys.executable, str(HERE / "tf_workers.py"), "reference", str(spec_file), str(out)], env=tf_env(),
               timeout=400))
-    big, accum = losses(out / "big"), losses(out / "accum")
+    big, accum = step_losses(out / "big"), step_losses(out / "accum")
     assert len(big) == len(accum) == STEPS
     np.testing.assert_allclose(accum, big, rtol=1e-5)
     for run_dir in ("big", "accum"):
@@ -73,8 +69,9 @@ def assert_matches_reference(out: Path, reference: Path, backend: str) -> None:
     assert manifest["backend"] == backend and manifest["world_size"] == 2
     digests = manifest["rank_state_digests"]
     assert len(digests) == 2 and digests[0] == digests[1], f"ranks disagree on the weights: {digests}"
-    assert manifest["val_accuracy"] >= 0.95, manifest["val_accuracy"]
-    mine, ref = losses(out), losses(reference)
+    ref_accuracy = json.loads((reference / "model.json").read_text())["val_accuracy"]
+    assert abs(manifest["val_accuracy"] - ref_accuracy) <= 2 / 359, (manifest["val_accuracy"], ref_accuracy)
+    mine, ref = step_losses(out), step_losses(reference)
     assert len(mine) == STEPS
     np.testing.assert_allclose(mine, ref, rtol=1e-5)
     assert mine[-1] < 0.5 * mine[0]

@@ -10,14 +10,14 @@ the buckets run inside backward (DDP waits for them before backward returns).
 from __future__ import annotations
 
 import json
-import sys
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hvd_launch import launch
-from procs import BIN, check, free_port, loopback_env, run
+from procs import check, train
 
 from polytrain.checkpoint import read_model
 from polytrain.horovod.common import _import_error
@@ -27,11 +27,12 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 STEPS = 23  # 1 epoch of ceil(1437 / 64)
 
 
-def train(launcher: list[str], out: Path, sets: list[str], env: dict[str, str] | None = None) -> dict:
+def traced(launcher: str, out: Path, sets: list[str], env: Mapping[str, str | None] | None = None,
+           exports: Sequence[str] = ()) -> dict:
+    """The Chrome trace of one epoch on 2 ranks under ``launcher`` (``--timeline``)."""
     trace = out / "trace.json"
-    args = ["-m", "polytrain.cli", "train", "--quiet", "--timeline", str(trace),
-            *[a for s in ["loop.epochs=1", f"output={out}", *sets] for a in ("--set", s)]]
-    check(run([*launcher, *args], env=env or loopback_env(), timeout=300))
+    check(train(out, ["loop.epochs=1", *sets], launcher=launcher, nproc=2, args=["--timeline", str(trace)], env=env,
+                exports=exports, timeout=300))
     return json.loads(trace.read_text())
 
 
@@ -64,8 +65,7 @@ def assert_every_rank_recorded_training(document: dict, out: Path, loop_events: 
 
 
 def test_ddp_timeline_under_torchrun(tmp_path: Path) -> None:
-    torchrun = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    document = train(torchrun, tmp_path, ["backend=ddp", "checkpoint.every_n_steps=10"])
+    document = traced("torchrun", tmp_path, ["backend=ddp", "checkpoint.every_n_steps=10"])
     assert document["otherData"]["backend"] == "ddp"
     assert_every_rank_recorded_training(document, tmp_path,
                                         ("data", "micro-step", "forward", "backward", "optimizer step"))
@@ -78,19 +78,17 @@ def test_ddp_timeline_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_horovod_backend_timeline_records_the_shims_buckets(tmp_path: Path) -> None:
-    torchrun = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    document = train(torchrun, tmp_path, ["backend=horovod"], env=loopback_env(POLYTRAIN_HOROVOD_IMPL="shim"))
+    document = traced("torchrun", tmp_path, ["backend=horovod"], env={"POLYTRAIN_HOROVOD_IMPL": "shim"})
     assert_every_rank_recorded_training(document, tmp_path, ("forward", "backward", "synchronize gradients"))
 
 
 def test_mpi_backend_timeline_under_mpirun_torch_and_tensorflow(tmp_path: Path) -> None:
-    mpirun = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "POLYTRAIN_MPI_FUSION_BYTES", sys.executable]
-    env = loopback_env(POLYTRAIN_MPI_FUSION_BYTES="16384")  # several buckets per step
+    env = {"POLYTRAIN_MPI_FUSION_BYTES": "16384"}  # several buckets per step
     for framework in ("torch", "tensorflow"):
         if framework == "tensorflow":
             pytest.importorskip("tensorflow")
         out = tmp_path / framework
-        document = train(mpirun, out, [f"framework={framework}", "backend=mpi"], env=env)
+        document = traced("mpirun", out, [f"framework={framework}", "backend=mpi"], env=env, exports=list(env))
         assert_every_rank_recorded_training(document, out, ("data", "micro-step", "optimizer step"))
         assert len(events(document)[0]["bucket"]) > STEPS  # fused into more than one bucket per step
 
@@ -102,15 +100,12 @@ def test_tensorflow_graph_collective_backends_record_each_bucket(tmp_path: Path,
     pytest.importorskip("tensorflow")
     if backend == "horovod" and _import_error("horovod.tensorflow") is not None:
         pytest.skip("Horovod's TensorFlow ops are not built here")
-    env = loopback_env(POLYTRAIN_MPI_FUSION_BYTES="16384")  # several buckets per step
+    env = {"POLYTRAIN_MPI_FUSION_BYTES": "16384"}  # several buckets per step
+    sets = ["framework=tensorflow", f"backend={backend}"]
     if backend == "horovod":
-        env.pop("MASTER_ADDR")
-        launcher = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "POLYTRAIN_MPI_FUSION_BYTES",
-                    sys.executable]
+        document = traced("mpirun", tmp_path, sets, env={**env, "MASTER_ADDR": None}, exports=list(env))
     else:
-        launcher = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                    f"--master_port={free_port()}"]
-    document = train(launcher, tmp_path, ["framework=tensorflow", f"backend={backend}"], env=env)
+        document = traced("torchrun", tmp_path, sets, env=env)
     assert document["otherData"]["backend"] == backend
     assert_every_rank_recorded_training(document, tmp_path, ("data", "micro-step", "optimizer step"))
     for named in events(document).values():
@@ -129,8 +124,7 @@ def test_sharded_backends_timeline_records_the_librarys_collectives(tmp_path: Pa
     sets = {"fsdp": ["backend=fsdp", "fsdp.sharding=full_shard"],
             "zero2": ["backend=deepspeed", "deepspeed.stage=2"],
             "zero3": ["backend=deepspeed", "deepspeed.stage=3"]}[backend]
-    torchrun = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    document = train(torchrun, tmp_path, sets)
+    document = traced("torchrun", tmp_path, sets)
     expected = STEPS * parameter_bytes(tmp_path)
     for rank, named in events(document).items():
         assert len(named["backward"]) == STEPS

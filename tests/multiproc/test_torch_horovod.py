@@ -11,13 +11,12 @@ torchrun polytrain's implementation on torch.distributed does. The start-up line
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, free_port, loopback_env, run
+from procs import check, step_losses, train
+from specs import PARITY_TRAINING, as_sets, lm, merged
 
 from polytrain.checkpoint import read_model
 from polytrain.horovod.common import _import_error
@@ -27,43 +26,25 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 HOROVOD = _import_error("horovod.torch") is None
 needs_horovod = pytest.mark.skipif(not HOROVOD, reason="real Horovod is not installed (scripts/build_horovod.sh)")
 
-LM = ["model.name=transformer", "data.name=tokens", "data.tokens.samples=512", "data.tokens.seq_len=16",
-      "data.tokens.vocab=32", "model.params.d_model=32", "model.params.n_heads=4", "model.params.n_layers=2",
-      "optimizer.name=sgd", "optimizer.lr=1.0", "optimizer.momentum=0.9", "schedule.decay=cosine",
-      "loop.epochs=2", "loop.max_steps=22", "loop.grad_accum_steps=2", "loop.grad_clip_norm=0.5",
-      "loop.log_every_n_steps=1"]
+LM = as_sets(merged(lm(), PARITY_TRAINING))
 STEPS, TOLERANCE = 22, 1e-5
 
 
-def command(launcher: str, nproc: int) -> list[str]:
-    if launcher == "single":
-        return [sys.executable]
-    if launcher == "torchrun":
-        return [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-                f"--master_port={free_port()}"]
-    if launcher == "mpirun":
-        return [str(BIN / "mpirun"), "--oversubscribe", "-np", str(nproc), sys.executable]
-    controller = launcher.split("-")[1]  # horovodrun-gloo / horovodrun-mpi
-    return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", f"--{controller}",
-            "--network-interface", "lo", sys.executable]
-
-
-def train(out: Path, sets: list[str], launcher: str, nproc: int,
-          **extra_env: str) -> tuple[np.ndarray, dict, dict, str]:
-    args = ["-m", "polytrain.cli", "train", *[a for s in [*LM, f"output={out}", *sets] for a in ("--set", s)]]
-    env = loopback_env(**extra_env)
+def trained(out: Path, changes: list[str], launcher: str, nproc: int,
+            **extra_env: str) -> tuple[np.ndarray, dict, dict, str]:
+    """The LM job with ``changes`` under ``launcher`` (procs.command's names): per-step losses, weights,
+    manifest and the whole output."""
+    env: dict[str, str | None] = dict(extra_env)
     if launcher in ("mpirun", "horovodrun-mpi", "horovodrun-gloo"):
-        env.pop("MASTER_ADDR")  # as a user's shell would have it: Horovod/mpirun set up their own
-    completed = check(run([*command(launcher, nproc), *args], env=env, timeout=450))
-    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = np.array([e["loss"] for e in events if e["event"] == "step"])
+        env["MASTER_ADDR"] = None  # as a user's shell would have it: Horovod/mpirun set up their own
+    completed = check(train(out, [*LM, *changes], launcher=launcher, nproc=nproc, quiet=False, env=env, timeout=450))
     state, manifest = read_model(out)
-    return losses, state, manifest, completed.stdout + completed.stderr
+    return step_losses(out), state, manifest, completed.stdout + completed.stderr
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, dict, dict, str]:
-    return train(tmp_path_factory.mktemp("local"), ["backend=local", "data.batch_size=16"], "single", 1)
+    return trained(tmp_path_factory.mktemp("local"), ["backend=local", "data.batch_size=16"], "python", 1)
 
 
 def assert_matches(run_: tuple[np.ndarray, dict, dict, str], reference: tuple[np.ndarray, dict, dict, str],
@@ -89,7 +70,7 @@ LAUNCHERS = [
 
 @pytest.mark.parametrize(("launcher", "implementation"), LAUNCHERS)
 def test_horovod_backend_matches_one_process(tmp_path: Path, reference, launcher: str, implementation: str) -> None:
-    result = train(tmp_path, ["backend=horovod", "data.batch_size=8"], launcher, 2)
+    result = trained(tmp_path, ["backend=horovod", "data.batch_size=8"], launcher, 2)
     assert f"torch/horovod ({implementation}) on 2" in result[3], result[3][-3000:]
     assert_matches(result, reference)
 
@@ -97,15 +78,15 @@ def test_horovod_backend_matches_one_process(tmp_path: Path, reference, launcher
 def test_the_shim_under_mpirun_moves_gradients_over_mpi_and_matches_one_process(tmp_path: Path, reference) -> None:
     """Without real Horovod, under mpirun the shim's buckets and the Trainer's collectives go over MPI."""
     pytest.importorskip("mpi4py")
-    result = train(tmp_path, ["backend=horovod", "data.batch_size=8"], "mpirun", 2, POLYTRAIN_HOROVOD_IMPL="shim")
+    result = trained(tmp_path, ["backend=horovod", "data.batch_size=8"], "mpirun", 2, POLYTRAIN_HOROVOD_IMPL="shim")
     assert "torch/horovod (polytrain implementation, over MPI) on 2" in result[3], result[3][-3000:]
     assert_matches(result, reference)
 
 
 def test_fp16_compression_trains_close_to_fp32(tmp_path: Path, reference) -> None:
     """Gradients sent as float16: the run follows fp32 to float16 rounding, and not bit for bit."""
-    losses, state, manifest, _ = train(tmp_path, ["backend=horovod", "data.batch_size=8",
-                                                  "horovod.compression=fp16"], "torchrun", 2)
+    losses, state, manifest, _ = trained(tmp_path, ["backend=horovod", "data.batch_size=8",
+                                                    "horovod.compression=fp16"], "torchrun", 2)
     ref_losses = reference[0]
     assert len(set(manifest["rank_state_digests"])) == 1
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)

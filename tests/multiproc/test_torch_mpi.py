@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, check, loopback_env, run
+from procs import check, step_losses, train
 
 from polytrain.checkpoint import read_model
 
@@ -22,23 +20,24 @@ COMMON = ["framework=torch", "optimizer.name=sgd", "optimizer.lr=0.1", "optimize
           "schedule.lr_scaling=none", "loop.epochs=5", "loop.log_every_n_steps=1"]
 
 
-def train(cmd_prefix: list[str], out: Path, batch: int, backend: str) -> tuple[np.ndarray, dict, dict]:
-    sets = [*COMMON, f"backend={backend}", f"data.batch_size={batch}", f"output={out}"]
-    cmd = [*cmd_prefix, sys.executable, "-m", "polytrain.cli", "train", *[a for s in sets for a in ("--set", s)]]
+def trained(launcher: str, out: Path, batch: int, backend: str) -> tuple[np.ndarray, dict, dict]:
+    """One process (``python``) or 2 ranks under ``mpirun``."""
+    sets = [*COMMON, f"backend={backend}", f"data.batch_size={batch}"]
     # 4 KiB buckets: the larger weights are reduced alone, the biases fused
-    check(run(cmd, env=loopback_env(POLYTRAIN_MPI_FUSION_BYTES="4096"), timeout=250))
-    events = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    check(train(out, sets, launcher=launcher, nproc=2 if launcher == "mpirun" else 1, quiet=False,
+                env={"POLYTRAIN_MPI_FUSION_BYTES": "4096"}, exports=["POLYTRAIN_MPI_FUSION_BYTES"], timeout=250))
     state, manifest = read_model(out)
-    return np.array([e["loss"] for e in events if e["event"] == "step"]), state, manifest
+    return step_losses(out), state, manifest
 
 
 def test_two_mpi_ranks_equal_one_process_with_double_batch(tmp_path: Path) -> None:
-    mpirun = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", "-x", "POLYTRAIN_MPI_FUSION_BYTES"]
-    losses, state, manifest = train(mpirun, tmp_path / "mpi", 32, "mpi")
-    ref_losses, ref_state, _ = train([], tmp_path / "single", 64, "local")
+    losses, state, manifest = trained("mpirun", tmp_path / "mpi", 32, "mpi")
+    ref_losses, ref_state, ref_manifest = trained("python", tmp_path / "single", 64, "local")
     assert manifest["backend"] == "mpi" and manifest["world_size"] == 2
     assert len(set(manifest["rank_state_digests"])) == 1
-    assert manifest["val_accuracy"] >= 0.95
+    # the one process's accuracy, within a digit or two (weights within rounding), not a fixed number: 0.955
+    # here, 0.005 above the 0.95 this once asserted
+    assert abs(manifest["val_accuracy"] - ref_manifest["val_accuracy"]) <= 2 / 359 and ref_losses[-1] < ref_losses[0] / 2
     assert len(losses) == len(ref_losses) == 115
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for name, value in ref_state.items():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import BIN, REPO, check, free_port, run
+from procs import BIN, REPO, check, free_port, read_metrics, run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -37,8 +37,7 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
     manifest = assert_trained(out, 2)
     assert "launcher: torchrun" in result.stderr and "validation accuracy:" in result.stderr
     assert result.stderr.count("validation accuracy:") == 1  # rank 0 alone prints
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    epochs = [e for e in lines if e["event"] == "epoch"]
+    epochs = read_metrics(out, "epoch")
     assert len(epochs) == manifest["spec"]["loop"]["epochs"]
     assert epochs[-1]["val_accuracy"] == manifest["val_accuracy"]
 
@@ -72,7 +71,7 @@ def test_polytrain_launch_local_two_ranks(tmp_path: Path) -> None:
 def test_saved_model_reloads_into_a_plain_model(tmp_path: Path) -> None:
     """The final safetensors holds a plain state_dict: a fresh single-process model reproduces the accuracy."""
     torch = pytest.importorskip("torch")
-    from polytrain import spec as spec_mod
+    from polytrain import validation
     from polytrain.adapters.torch.models import build_model
     from polytrain.checkpoint import read_model
     from polytrain.data import load_dataset
@@ -80,7 +79,7 @@ def test_saved_model_reloads_into_a_plain_model(tmp_path: Path) -> None:
     out = tmp_path / "single"
     check(run([*PY, "train", str(SPEC), "--set", f"output={out}", "--set", "loop.epochs=8"]))
     state, manifest = read_model(out)
-    spec = spec_mod.from_dict(manifest["spec"])
+    spec = validation.from_dict(manifest["spec"])
     data = load_dataset(spec.data, spec.seed)
     model = build_model(spec.model.name, spec.model.params, data.info)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})

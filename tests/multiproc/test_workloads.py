@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from procs import BIN, REPO, check, free_port, loopback_env, run
+from procs import REPO, check, command, job_env, read_metrics, run, train
+from specs import as_sets, lm
 
 from polytrain.checkpoint import read_model
 
@@ -49,7 +48,6 @@ pytest.importorskip("PIL")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]  # a module fixture may launch twice
 
 HERE = Path(__file__).resolve().parent
-CLI = ["-m", "polytrain.cli"]
 WORKER = str(HERE / "resume_worker.py")
 TOLERANCE = 1e-5
 PIXELS = "[" + ",".join(f"p{i}" for i in range(64)) + "]"
@@ -68,11 +66,6 @@ workload_data = _load_data_module()
 # ------------------------------------------------------------------------------ launching
 
 
-def env(**extra: str) -> dict[str, str]:
-    """Loopback only, one thread per rank, and this folder importable (the user loss, the dataset factory)."""
-    return loopback_env(PYTHONPATH=str(HERE), TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1", **extra)
-
-
 @dataclass(frozen=True)
 class Job:
     """How a run is started: ``python`` (one process), ``torchrun``, ``mpirun``, or ``polytrain launch`` with
@@ -86,37 +79,20 @@ class Job:
     def backend(self) -> str:
         return next(s.partition("=")[2] for s in self.sets if s.startswith("backend="))
 
+    @property
+    def launch(self) -> dict[str, Any]:
+        """How procs.train and procs.command start it: loopback only, one thread per rank, and this folder
+        importable (the user loss, the dataset factory); under mpirun the ranks agree on a master through MPI."""
+        mpirun = self.launcher == "mpirun"
+        env = {"PYTHONPATH": str(HERE), "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", **self.env,
+               **({"MASTER_ADDR": None} if mpirun else {})}
+        return {"launcher": self.launcher, "nproc": 1 if self.launcher == "python" else 2, "env": env,
+                "exports": ("PYTHONPATH", *self.env) if mpirun else ()}
+
     def command(self, program: list[str]) -> tuple[list[str], dict[str, str]]:
-        """The command line that starts ``program`` (``-m polytrain.cli ...`` or a script) this way."""
-        variables = env(**self.env)
-        if self.launcher == "python":
-            return [sys.executable, *program], variables
-        if self.launcher == "torchrun":
-            return [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                    f"--master_port={free_port()}", *program], variables
-        if self.launcher == "mpirun":
-            variables.pop("MASTER_ADDR")  # the ranks agree on one through MPI
-            exports = [a for name in ("PYTHONPATH", *self.env) for a in ("-x", name)]
-            return [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", *exports, sys.executable, *program], variables
-        raise AssertionError(self.launcher)
-
-
-def sets_args(sets: list[str]) -> list[str]:
-    return [a for s in sets for a in ("--set", s)]
-
-
-def train(job: Job, spec: Path, out: Path, sets: Sequence[str] = (), resume: str | None = None,
-          timeout: float = 240) -> None:
-    """``polytrain train SPEC`` on ``job``'s launcher (or ``polytrain launch`` for the launch-* jobs)."""
-    args = [str(spec), "--quiet", *sets_args([*job.sets, *sets, f"output={out}"])]
-    if resume is not None:
-        args += ["--resume", resume]
-    if job.launcher.startswith("launch-"):
-        cmd = [sys.executable, *CLI, "launch", "--launcher", job.launcher.partition("-")[2], "-np", "2", *args]
-        variables = env(**job.env)
-    else:
-        cmd, variables = job.command([*CLI, "train", *args])
-    check(run(cmd, env=variables, timeout=timeout))
+        """The command line that starts ``program`` (a script and its arguments) this way, and its environment."""
+        launch = self.launch
+        return (command(self.launcher, program, launch["nproc"], exports=launch["exports"]), job_env(launch["env"]))
 
 
 def run_plan(job: Job, runs: list[dict[str, Any]], timeout: float = 240) -> None:
@@ -137,9 +113,8 @@ class Run:
 
     @classmethod
     def read(cls, out: Path) -> Run:
-        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         state, manifest = read_model(out)
-        return cls(out, events, state, manifest)
+        return cls(out, read_metrics(out), state, manifest)
 
     @property
     def losses(self) -> dict[int, float]:
@@ -224,7 +199,7 @@ class ParityRuns:
     def __getitem__(self, name: str) -> Run:
         if name not in self.runs:
             job = Job("python", ("backend=local",)) if name == "local" else PARITY[name]
-            train(job, self.spec(name), self.root / name)
+            check(train(self.root / name, job.sets, spec=self.spec(name), **job.launch))
             self.runs[name] = Run.read(self.root / name)
         return self.runs[name]
 
@@ -265,8 +240,8 @@ MLP = ("model.params.hidden_sizes=[64]", "optimizer.name=adam", "optimizer.lr=0.
        "loop.epochs=10")
 CONV = ("model.name=convnet", "model.params.channels=[8,16]", "optimizer.name=adam", "optimizer.lr=0.003",
         "data.global_batch_size=64", "loop.epochs=5")
-LM = ("model.name=transformer", "model.params.d_model=32", "model.params.n_heads=4", "model.params.n_layers=2",
-      "optimizer.name=adam", "optimizer.lr=0.01", "data.global_batch_size=64", "loop.epochs=14")
+LM = (*as_sets({"model": lm()["model"]}), "optimizer.name=adam", "optimizer.lr=0.01", "data.global_batch_size=64",
+      "loop.epochs=14")
 
 
 def source_sets(files: dict[str, str]) -> dict[str, list[str]]:
@@ -379,9 +354,10 @@ def test_parquet_resume_through_polytrain_launch(parity: ParityRuns, tmp_path: P
     (7 steps into its second epoch) to the straight run's weights, bit for bit."""
     straight = parity["ddp"]
     spec, out = parity.spec("ddp"), tmp_path / "run"
-    train(PARITY["ddp"], spec, out, ["loop.max_steps=30", "checkpoint.every_n_steps=30"])
+    job = PARITY["ddp"]
+    check(train(out, [*job.sets, "loop.max_steps=30", "checkpoint.every_n_steps=30"], spec=spec, **job.launch))
     assert max(Run.read(out).losses) == 30
-    train(PARITY["ddp"], spec, out, resume="auto")
+    check(train(out, job.sets, spec=spec, resume="auto", **job.launch))
     resumed = Run.read(out)
     assert [e["step"] for e in resumed.events if e["event"] == "resume"] == [30]
     assert {s: v for s, v in resumed.losses.items() if s > 30} == {s: v for s, v in straight.losses.items() if s > 30}
@@ -424,7 +400,7 @@ def test_fit_script_under_a_launcher(name: str, tmp_path: Path) -> None:
     spec = manifest["spec"]
     assert (spec["loss"], spec["metrics"]) == ("fit:smoothed_cross_entropy", ["accuracy", "fit:confident_accuracy"])
     assert spec["model"]["name"].startswith("fit:")
-    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    last = read_metrics(out)[-1]
     print(f"\n{name}: val accuracy {manifest['val_accuracy']:.4f}, "
           f"confident accuracy {last['val_confident_accuracy']:.4f}")
     assert manifest["val_accuracy"] >= 0.95 and last["val_confident_accuracy"] >= 0.9
@@ -442,8 +418,8 @@ EXAMPLES = {  # example folder: (the data.* paths its make_data.py output replac
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_makes_its_data_and_its_spec_reads_it(name: str, tmp_path: Path) -> None:
     """Each example's make_data.py writes what its spec.yaml names (read here through the spec's source)."""
-    from polytrain import registry
-    from polytrain import spec as spec_mod
+    from polytrain import registry, validation
+    from polytrain.spec_files import load_raw
 
     folder = REPO / "examples" / name
     module_spec = importlib.util.spec_from_file_location(f"make_{name}_data", folder / "make_data.py")
@@ -452,10 +428,10 @@ def test_example_makes_its_data_and_its_spec_reads_it(name: str, tmp_path: Path)
     module_spec.loader.exec_module(module)
     module.main(tmp_path)
     paths, samples, task = EXAMPLES[name]
-    raw = spec_mod.load_raw(folder / "spec.yaml")
+    raw = load_raw(folder / "spec.yaml")
     for key, file in paths.items():
         assert raw["data"][key] == f"examples/{name}/data/{file}"  # the default output, from the repository root
-    spec = spec_mod.load(folder / "spec.yaml", [f"data.{key}={tmp_path / file}" for key, file in paths.items()])
+    spec = validation.load(folder / "spec.yaml", [f"data.{key}={tmp_path / file}" for key, file in paths.items()])
     data = registry.open_data(spec)
     assert data.info.task == task and len(data.val) > 0
     if samples is not None:

@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from polytrain import registry
-from polytrain import spec as spec_mod
+from polytrain import registry, validation
 from polytrain.callbacks import RunInfo
 from polytrain.checkpoint import read_model, state_digest
 from polytrain.checkpoint_tools import import_weights
@@ -31,9 +30,9 @@ from polytrain.world import World
 
 
 def reference(spec_path: str, out: str) -> None:
-    batch = spec_mod.load(spec_path).data.batch_size
+    batch = validation.load(spec_path).data.batch_size
     for name, sets in (("big", [f"data.batch_size={2 * batch}"]), ("accum", ["loop.grad_accum_steps=2"])):
-        spec = spec_mod.load(spec_path, [*sets, f"output={out}/{name}"])
+        spec = validation.load(spec_path, [*sets, f"output={out}/{name}"])
         Trainer(spec, World(), show_progress=False).fit()
 
 
@@ -76,8 +75,8 @@ def parity(raw_json: str, torch_backend: str, tf_backend: str, steps: str, out: 
         seen: dict[str, Any] = {"launcher": world.launcher, "world_size": world.size}
         for framework, backend in (("torch", torch_backend), ("tensorflow", tf_backend)):
             loop = {**raw.get("loop", {}), "max_steps": int(steps), "log_every_n_steps": 1}
-            spec = spec_mod.from_dict({**raw, "framework": framework, "backend": backend, "loop": loop,
-                                       "output": str(root / framework)})
+            spec = validation.from_dict({**raw, "framework": framework, "backend": backend, "loop": loop,
+                                         "output": str(root / framework)})
             recorder = StartAndLosses(root / "init" if framework == "torch" else None)
             resume = str(root / "init" / "checkpoints" / "step-00000000") if framework == "tensorflow" else None
             trainer = Trainer(spec, world, show_progress=False, resume=resume, callbacks=[recorder])
@@ -93,10 +92,10 @@ def exchange(out: str) -> None:
             "loop": {"epochs": 2}}
     results = {}
     for trained, other in (("torch", "tensorflow"), ("tensorflow", "torch")):
-        spec = spec_mod.from_dict({**base, "framework": trained, "output": f"{out}/{trained}"})
+        spec = validation.from_dict({**base, "framework": trained, "output": f"{out}/{trained}"})
         Trainer(spec, World(), show_progress=False).fit()
         state, manifest = read_model(Path(spec.output))
-        other_spec = spec_mod.from_dict({**base, "framework": other})
+        other_spec = validation.from_dict({**base, "framework": other})
         data = load_dataset(other_spec.data, other_spec.seed)
         backend = registry.create_backend(other_spec, World())
         backend.setup()
