@@ -10,6 +10,7 @@ import ipaddress
 import os
 import random
 import socket
+from dataclasses import dataclass
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
@@ -96,6 +97,71 @@ def _address_towards(host: str) -> str:
         return str(probe.getsockname()[0])
 
 
+def addresses_of(host: str) -> list[str]:
+    """What ``host`` resolves to on this machine (IP literals as they are), or nothing."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def is_local_address(address: str) -> bool:
+    """Whether a socket can bind ``address`` here (it is one of this host's addresses)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class StoreBind:
+    """Where rank 0's rendezvous store listens: ``address`` (None: every interface) and why."""
+
+    address: str | None
+    why: str
+
+
+def store_bind(master: str, all_local: bool) -> StoreBind:
+    """The address rank 0 binds the store that every rank reaches at ``master``: the address ``master``
+    names on this host, which is what the ranks that connect to it reach — loopback when every rank is on
+    this host. A name that resolves to loopback here although ranks run on other hosts (Debian's
+    ``127.0.1.1 <hostname>`` in /etc/hosts) reaches this host's ranks on loopback and the others on its
+    network address: no one address serves both, so then every interface (and ``why`` says so, as when
+    ``master`` names no address of this host)."""
+    if is_loopback(master):
+        return StoreBind(master, "single node: loopback only")
+    found = [a for a in addresses_of(master) if is_local_address(a)]
+    network = [a for a in found if not _is_loopback_ip(a)]
+    if all_local and found:
+        where = f"the address {master} names here" if found[0] in network else f"{master} is loopback here"
+        return StoreBind(found[0], f"single node: {where}")
+    if network:
+        return StoreBind(network[0], f"multi-node: the address {master} names here")
+    if found:
+        return StoreBind(None, f"multi-node: {master} is {found[0]} (loopback) on this host, the other hosts reach "
+                               f"it at another address; export MASTER_ADDR as an address every host reaches")
+    return StoreBind(None, f"multi-node: {master} names no address of this host")
+
+
+def board_address(master: str | None) -> str | None:
+    """An address of this host that ranks on other hosts reach, for a listener whose address rank 0 sends
+    them itself (the watchdog's store): ``master``'s own when it names a non-loopback address here, else
+    the address on the default route; None when this host has no such address."""
+    candidates = addresses_of(master) if master else []
+    try:
+        candidates.append(_address_towards("192.0.2.1"))
+    except OSError:
+        pass
+    return next((a for a in candidates if not _is_loopback_ip(a) and is_local_address(a)), None)
+
+
+def _is_loopback_ip(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
 def address_for_peers(hosts: list[str]) -> str:
     """Rank 0's address as the other ranks can reach it (``hosts[0]`` is rank 0's host name; loopback
     when every rank shares it)."""
@@ -113,6 +179,9 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     the process: a TCPStore serves on its file descriptor (``master_listen_fd``), so that the store
     listens on that address only, not on every interface as it would bind by itself."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # as TCPStore's own socket: the port of a store that just closed (its connections in TIME_WAIT for a
+    # minute) can be bound again at once; a port another socket listens on is still refused (EADDRINUSE)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
         sock.listen(backlog)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from procs import read_metrics
 from safetensors.numpy import load_file
 from trainer_fakes import FakeJob, MicroCall
 
@@ -79,8 +80,7 @@ def fit_fails(spec: TrainSpec, error: type[BaseException], world: World = ONE,
 
 
 def records(spec: TrainSpec, event: str) -> list[dict[str, Any]]:
-    path = Path(spec.output) / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
+    return read_metrics(Path(spec.output), event)
 
 
 def sample_ids(spec: TrainSpec, calls: list[MicroCall]) -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jobs import SPEC, Job, launch, sets, trained, wait_no_processes, worker_pids
+from procs import losses_by_step
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
@@ -99,11 +100,6 @@ RESUME = ["schedule.decay=none", "schedule.lr_scaling=none", "optimizer.name=ada
           "loop.epochs=3"]
 
 
-def step_losses(out: Path) -> dict[int, float]:
-    events = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
-
-
 @pytest.fixture(scope="module")
 def two_host_checkpoint(cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float]]:
     """A 2-host run (1 rank per host) of 3 epochs with a checkpoint at the end of epoch 2 (step 46)."""
@@ -112,7 +108,7 @@ def two_host_checkpoint(cluster, tmp_path_factory: pytest.TempPathFactory) -> tu
            *sets(f"output={reference}", *RESUME, "checkpoint.every_n_steps=46")).check()
     checkpoint = reference / "checkpoints" / "step-00000046"
     assert checkpoint.is_dir(), sorted(p.name for p in (reference / "checkpoints").iterdir())
-    return checkpoint, step_losses(reference)
+    return checkpoint, losses_by_step(reference)
 
 
 @pytest.mark.parametrize("hosts", [1, 3])
@@ -131,7 +127,7 @@ def test_resume_on_other_hosts(request, two_host_checkpoint, tmp_path: Path, hos
         job = launch(cluster, "launch", "--launcher", "torchrun", "-H", "h1:1,h2:1,h3:1", "--master-port", "29415",
                      str(SPEC), *sets(f"output={resumed}", *RESUME), "--resume", str(checkpoint))
     job.check()
-    got = step_losses(resumed)
+    got = losses_by_step(resumed)
     assert min(got) == 47 and max(got) == max(ref)
     np.testing.assert_allclose([got[s] for s in sorted(got)], [ref[s] for s in sorted(got)], rtol=2e-5)
     manifest = json.loads((resumed / "model.json").read_text())
