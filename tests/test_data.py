@@ -77,7 +77,7 @@ def test_npz_takes_data_classes(tmp_path) -> None:
     path = tmp_path / "d.npz"
     np.savez(path, x=np.zeros((10, 3)), y=np.arange(10) % 3)
     assert load_dataset(DataSpec(name="npz", path=str(path), classes=5), seed=0).info.num_outputs == 5
-    with pytest.raises(SpecError, match=r"^data.classes: 2, but y in .*d.npz has label 2 \(labels 0..classes-1\)$"):
+    with pytest.raises(SpecError, match=r"^data.path: .*d.npz: y has label 2, not below data.classes 2$"):
         load_dataset(DataSpec(name="npz", path=str(path), classes=2), seed=0)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from polytrain.data.files import check_inferred, finite_or_refuse
+from polytrain.data.files import check_label_range, finite_or_refuse
 from polytrain.data.plan import split_indices
 from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
@@ -72,13 +72,7 @@ def _npz(path: str, classes: int | None) -> tuple[np.ndarray, np.ndarray]:
     finite_or_refuse(x, f"data.path: {path}: x")
     finite_or_refuse(y, f"data.path: {path}: y")
     if y.dtype == np.int64:
-        low, high = int(y.min()), int(y.max())
-        if low < 0:
-            raise SpecError(f"data.path: {path}: y has label {low}; class labels must be 0 or more")
-        if classes is not None and high >= classes:
-            raise SpecError(f"data.classes: {classes}, but y in {path} has label {high} (labels 0..classes-1)")
-        if classes is None:
-            check_inferred(high, f"data.path: {path}: y")
+        check_label_range(int(y.min()), int(y.max()), classes, f"{path}: y", field="data.path")
     return x, y
 
 

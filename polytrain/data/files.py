@@ -73,15 +73,15 @@ def label_task(kind: str, where: str) -> str:
 MAX_INFERRED_CLASSES = 1 << 20
 
 
-def check_label_range(low: int, high: int, classes: int | None, where: str) -> None:
+def check_label_range(low: int, high: int, classes: int | None, where: str, field: str = "data.label") -> None:
     """Class labels are ``0 .. classes-1``: a negative one, one ≥ ``data.classes``, or without it one ≥
-    `MAX_INFERRED_CLASSES`, is an error naming ``where``."""
+    `MAX_INFERRED_CLASSES`, is an error naming ``field`` and ``where``."""
     if low < 0:
-        raise SpecError(f"data.label: {where} has label {low}; class labels must be 0 or more")
+        raise SpecError(f"{field}: {where} has label {low}; class labels must be 0 or more")
     if classes is not None and high >= classes:
-        raise SpecError(f"data.label: {where} has label {high}, not below data.classes {classes}")
+        raise SpecError(f"{field}: {where} has label {high}, not below data.classes {classes}")
     if classes is None:
-        check_inferred(high, f"data.label: {where}")
+        check_inferred(high, f"{field}: {where}")
 
 
 def check_inferred(high: int, where: str, setting: str = "data.classes", what: str = "label") -> None:
