@@ -64,6 +64,17 @@ def check_fp16_runs(device: torch.device) -> None:
             from None
 
 
+def rebuilt_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                      model: nn.Module) -> torch.optim.Optimizer:
+    """The same optimizer — its class and every group's settings — over ``model``'s parameters as they are now,
+    for a backend that replaced them (FSDP2's sharded ones); ``names``: parameter id → name before that. Its
+    state is empty, as before the first step."""
+    now = dict(model.named_parameters())
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [now[names[id(p)]] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return type(optimizer)(groups)
+
+
 class SyncAfterLastBackward:
     """For backends that average gradients themselves, once per optimizer step: ``sync_gradients()``
     runs after the backward pass of the last micro-step (the one not run under ``no_sync``)."""

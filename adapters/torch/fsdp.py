@@ -141,12 +141,13 @@ class FSDPBackend(TorchBackend):
         return init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from polytrain.adapters.torch.backend import rebuilt_optimizer
+
+        names = {id(p): n for n, p in model.named_parameters()}
         self.mesh = self._mesh()
         self._units = shard_model(model, self.spec, shard_options(self.spec, self.device, self.mesh))
-        from polytrain.adapters.torch.framework import make_optimizer
-
-        # The given optimizer points at the replaced (unsharded) parameters: build the spec's over the new ones.
-        return model, make_optimizer(self.spec.optimizer, model.parameters())
+        # The given optimizer points at the replaced (unsharded) parameters: the same one over the new ones.
+        return model, rebuilt_optimizer(optimizer, names, model)
 
     def teardown(self) -> None:
         self._units = []
