@@ -35,7 +35,7 @@ def _build_model(name: str, params: Any, info: DatasetInfo) -> torch.nn.Module:
     return build_model(name, params, info)
 
 
-def _live_model(model: Any, backend: TorchBackend) -> torch.nn.Module:
+def live_model(model: Any, backend: TorchBackend) -> torch.nn.Module:
     """A model given to `polytrain.fit`: every rank starts from rank 0's weights (scripts seed differently)."""
     if callable(model) and not isinstance(model, torch.nn.Module):  # a function that builds it
         model = call_user("model", f"fit:{user_name(model)}", model)
@@ -69,7 +69,7 @@ class TorchFramework:
         self.info = info
         torch.manual_seed(self.spec.seed)  # identical initial weights on every rank
         if self.user.model is not None:
-            model = _live_model(self.user.model, self.backend)
+            model = live_model(self.user.model, self.backend)
         else:
             model = _build_model(self.spec.model.name, self.spec.model.params, info)
         # what `release` hands back: the module itself where the backend trains it in place; where the backend

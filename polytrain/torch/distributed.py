@@ -1,0 +1,289 @@
+"""`Distributed`: the own-loop API over the Trainer's PyTorch backends (a second client of the same objects).
+
+The backend is made, set up and torn down exactly as the Trainer does it (`registry.create_backend`, its
+``setup``/``teardown``); a script's model and optimizer go through the backend's ``wrap``; ``accumulate``
+runs the non-final micro-steps under the backend's ``no_sync``; ``backward`` is the backend's (its gradient
+sync after the last micro-step for horovod and mpi, DDP's and FSDP's hooks), through the fp16 scaler when
+there is one; the returned optimizer steps through the backend's ``optimizer_step`` once per accumulation
+window. Gradients are averaged over the ranks, as one process would average over the whole batch.
+
+Not yet here (issue 28 is open): deepspeed and tensor parallel (refused in one line), checkpoints in the
+Trainer's portable format, ``gather_for_metrics``, ``Distributed.launch``, TensorFlow.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from polytrain import registry, validation
+from polytrain.environments import detect_world
+from polytrain.errors import UserError
+from polytrain.world import World
+
+#: backends whose own hooks a hand-written loop can drive as it is (the others come with issue 28)
+SUPPORTED = ("local", "ddp", "fsdp", "horovod", "mpi")
+REDUCE_OPS = ("sum", "mean", "max", "min")
+MODEL_PARALLEL = "parallel: tensor and pipeline parallel are not in the own-loop API yet; use polytrain.fit or a spec"
+
+
+class OwnLoopError(UserError):
+    """The own-loop API used out of order or with what it cannot take; the message is one line."""
+
+
+class Distributed:
+    """One process's place in a distributed job, for a loop the user writes.
+
+    ``backend``: a torch backend name or ``"auto"``; ``precision``: ``fp32``/``bf16``/``fp16``;
+    ``grad_accum_steps``: micro-steps per optimizer step (``accumulate``); ``spec``: other spec fields as a
+    dict (``reliability``, ``fsdp``, ...); ``world``: the World (default: what the launcher says).
+    """
+
+    def __init__(self, backend: str = "auto", *, precision: str = "fp32", grad_accum_steps: int = 1, seed: int = 0,
+                 spec: Mapping[str, Any] | None = None, world: World | None = None) -> None:
+        raw = {**dict(spec or {}), "framework": "torch", "backend": backend, "precision": precision, "seed": seed}
+        raw["loop"] = {**dict(raw.get("loop") or {}), "grad_accum_steps": grad_accum_steps}
+        parallel = raw.get("parallel") or {}
+        if any((parallel.get(dim) or 1) > 1 for dim in ("tensor", "pipeline")):  # before the spec's model checks
+            raise OwnLoopError(MODEL_PARALLEL)
+        self.spec = validation.from_dict(raw)
+        self._start(world)
+
+    @classmethod
+    def from_spec(cls, path: str | Path, world: World | None = None) -> Distributed:
+        """The backend, precision, accumulation and options of a spec file (the fields the Trainer reads)."""
+        self = cls.__new__(cls)
+        self.spec = validation.load(path)
+        if self.spec.framework != "torch":
+            raise OwnLoopError(f"framework: {self.spec.framework!r} in {path}; polytrain.torch runs torch specs")
+        self._start(world)
+        return self
+
+    def _start(self, world: World | None) -> None:
+        if self.spec.parallel.model_parallel:
+            raise OwnLoopError(MODEL_PARALLEL)
+        self.world = world or detect_world()
+        name = registry.resolve_backend_name(self.spec, self.world)
+        if name not in SUPPORTED:
+            raise OwnLoopError(f"backend: {name!r} is not in the own-loop API yet (it takes {', '.join(SUPPORTED)})")
+        self.backend = registry.create_backend(self.spec, self.world)
+        self.accum = self.spec.loop.grad_accum_steps
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scaler: Any = None
+        self._micro = 0
+        self._sync = True
+        self._unscaled = False
+        self._ended = False
+        self.backend.setup()
+        atexit.register(self.end)
+
+    # ------------------------------------------------------------------ who and where
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.size
+
+    @property
+    def is_main(self) -> bool:
+        return self.world.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    # ------------------------------------------------------------------ model and optimizer
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, _Optimizer]:
+        """The model (rank 0's weights on every rank, on the device) and its optimizer, as the backend runs them.
+        Build the optimizer from ``model.parameters()`` first, as for plain DDP."""
+        self._check_open("setup")
+        if self._model is not None:
+            raise OwnLoopError("setup: called twice; set up one model and its optimizer per Distributed")
+        if not isinstance(model, nn.Module):
+            raise OwnLoopError(f"setup: expected a torch.nn.Module, got {type(model).__name__}")
+        own = {id(p) for p in model.parameters()}
+        given = [p for group in optimizer.param_groups for p in group["params"]]
+        if not given or any(id(p) not in own for p in given):
+            raise OwnLoopError("setup: the optimizer was not built from this model's parameters; build it from "
+                               "model.parameters() and pass both")
+        from polytrain.adapters.torch.framework import live_model
+
+        model = live_model(model, self.backend).to(self.device)  # rank 0's weights on every rank, as fit does
+        wrapped, inner = self.backend.wrap(model, optimizer)
+        self._model, self._optimizer = wrapped, inner
+        self._scaler = self.backend.grad_scaler()
+        return wrapped, _Optimizer(self, inner)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain module inside what `setup` returned."""
+        return self.backend.unwrap(model)
+
+    def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state by portable name, full tensors on the CPU (collective on sharded backends:
+        every rank calls it)."""
+        self._needs_setup("get_state_dict")
+        return {k: v.detach().cpu() for k, v in self.backend.full_state(model).items()}
+
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module) -> Iterator[None]:
+        """One micro-step of ``grad_accum_steps``: gradients are only synchronised on the last of a window, and
+        the optimizer only steps there; ``backward`` divides the loss by the window's length."""
+        self._needs_setup("accumulate")
+        self._micro += 1
+        self._sync = self._micro % self.accum == 0
+        with contextlib.nullcontext() if self._sync else self.backend.no_sync(model):
+            yield
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the current micro-step is the last of its window (the optimizer steps after it)."""
+        return self._sync
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` as the backend runs it (scaled for fp16, divided over an accumulation window)."""
+        self._needs_setup("backward")
+        if self.accum > 1:
+            loss = loss / self.accum
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        self.backend.backward(loss)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float | None:
+        """Clip the averaged (and, for fp16, unscaled) gradients; the total norm before clipping. Call it where
+        the optimizer steps (a no-op returning None on the other micro-steps of a window)."""
+        self._needs_setup("clip_grad_norm_")
+        if not self._sync:
+            return None
+        if self._scaler is not None and not self._unscaled:
+            self._scaler.unscale_(self._optimizer)
+            self._unscaled = True
+        return self.backend.clip_grad_norm(model, max_norm)
+
+    # ------------------------------------------------------------------ data
+    def setup_dataloaders(self, *loaders: torch.utils.data.DataLoader) -> Any:
+        """Each loader re-made to read this rank's shard (a `DistributedSampler`: shuffled with the job's seed
+        when the original shuffled, the epoch moved on at every pass over it). One loader in, one out."""
+        made = [_sharded(loader, self) for loader in loaders]
+        return made[0] if len(made) == 1 else tuple(made)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the ranks (sum, mean, max, min): a new tensor on its device."""
+        if op not in REDUCE_OPS:
+            raise OwnLoopError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+        values = tensor.detach().double().cpu().numpy()
+        reduced = self.backend.all_reduce(values, "sum" if op == "mean" else op)
+        if op == "mean":
+            reduced = np.asarray(reduced) / self.world.size
+        return torch.as_tensor(np.asarray(reduced)).to(tensor.device, tensor.dtype)
+
+    def barrier(self) -> None:
+        self.backend.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs)
+            (kwargs.get("file") or sys.stdout).flush()
+
+    # ------------------------------------------------------------------ lifetime
+    def end(self) -> None:
+        """Stop what this object started (process group, stores, wrappers); idempotent, also run at exit."""
+        if self._ended:
+            return
+        self._ended = True
+        self._model = self._optimizer = None
+        self.backend.teardown()
+
+    def __enter__(self) -> Distributed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+    def _check_open(self, verb: str) -> None:
+        if self._ended:
+            raise OwnLoopError(f"{verb}: this Distributed has ended")
+
+    def _needs_setup(self, verb: str) -> None:
+        self._check_open(verb)
+        if self._model is None:
+            raise OwnLoopError(f"{verb}: called before setup(model, optimizer)")
+
+    def _step(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        if not self._sync:
+            return None
+        self._unscaled = False
+        if self._scaler is None:
+            return self.backend.optimizer_step(optimizer)
+        return self.backend.scaled_optimizer_step(optimizer, self._scaler)
+
+
+class _Optimizer:
+    """The optimizer `setup` returns: ``step`` and ``zero_grad`` act once per accumulation window, through the
+    backend; everything else is the optimizer's own."""
+
+    def __init__(self, owner: Distributed, optimizer: torch.optim.Optimizer) -> None:
+        self._owner, self.optimizer = owner, optimizer
+
+    def step(self) -> bool | None:
+        """The update (None inside an accumulation window; False when fp16 skipped an overflowed step)."""
+        return self._owner._step(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._owner.sync_gradients:
+            self.optimizer.zero_grad()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class _EpochLoader:
+    """A loader whose sampler moves to the next epoch at each pass (``set_epoch``), as DDP scripts do by hand."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        self.loader, self.epoch = loader, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.loader.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+def _sharded(loader: Any, owner: Distributed) -> _EpochLoader:
+    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    if not isinstance(loader, DataLoader):
+        raise OwnLoopError(f"setup_dataloaders: expected torch DataLoaders, got {type(loader).__name__}")
+    if loader.batch_size is None:
+        raise OwnLoopError("setup_dataloaders: a loader with a batch_sampler of its own cannot be sharded; "
+                           "give it batch_size and shuffle")
+    shard = owner.backend.data_shard
+    sampler = DistributedSampler(loader.dataset, num_replicas=shard.count, rank=shard.index,
+                                 shuffle=isinstance(loader.sampler, RandomSampler), seed=owner.spec.seed,
+                                 drop_last=loader.drop_last)
+    return _EpochLoader(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+                                   num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                                   pin_memory=loader.pin_memory, drop_last=loader.drop_last))

@@ -1,0 +1,85 @@
+"""`polytrain.torch.Distributed` in one process: accumulation equals one large batch, the returned optimizer
+steps once per window, and misuse is one clear error (multi-process parity: tests/multiproc/test_own_loop.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from polytrain.errors import UserError
+
+torch = pytest.importorskip("torch")
+from polytrain.torch import Distributed, OwnLoopError  # noqa: E402
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+
+
+def trained(accum: int, steps: int = 3) -> dict[str, torch.Tensor]:
+    """``steps`` updates on the same 16 samples, cut into ``accum`` micro-batches."""
+    x, y = batch()
+    with Distributed("local", grad_accum_steps=accum) as dist:
+        model = net()
+        model, optimizer = dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        for _ in range(steps):
+            for part in range(accum):
+                rows = slice(part * 16 // accum, (part + 1) * 16 // accum)
+                with dist.accumulate(model):
+                    dist.backward(torch.nn.functional.cross_entropy(model(x[rows]), y[rows]))
+                optimizer.step()
+                optimizer.zero_grad()
+        return {k: v.clone() for k, v in dist.get_state_dict(model).items()}
+
+
+def test_accumulation_over_micro_batches_equals_one_large_batch() -> None:
+    whole, in_four = trained(1), trained(4)
+    for name, value in whole.items():
+        torch.testing.assert_close(in_four[name], value, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(whole["0.weight"], net().state_dict()["0.weight"])  # it trained
+
+
+def test_the_optimizer_steps_once_per_window() -> None:
+    x, y = batch()
+    with Distributed("local", grad_accum_steps=2) as dist:
+        model = net()
+        model, optimizer = dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        before = model[0].weight.detach().clone()
+        with dist.accumulate(model):
+            dist.backward(torch.nn.functional.cross_entropy(model(x), y))
+        assert not dist.sync_gradients and dist.clip_grad_norm_(model, 1.0) is None
+        optimizer.step()
+        optimizer.zero_grad()
+        assert torch.equal(model[0].weight, before) and model[0].weight.grad is not None  # kept for the window
+        with dist.accumulate(model):
+            dist.backward(torch.nn.functional.cross_entropy(model(x), y))
+        assert dist.sync_gradients and dist.clip_grad_norm_(model, 1e6) > 0
+        optimizer.step()
+        assert not torch.equal(model[0].weight, before)
+
+
+def test_misuse_is_one_line() -> None:
+    model = net()
+    with Distributed("local") as dist:
+        with pytest.raises(OwnLoopError, match=r"^backward: called before setup\(model, optimizer\)$"):
+            dist.backward(torch.zeros((), requires_grad=True))
+        with pytest.raises(OwnLoopError, match=r"^setup: the optimizer was not built from this model's parameters"):
+            dist.setup(model, torch.optim.SGD(net().parameters(), lr=0.1))
+        dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(OwnLoopError, match=r"^setup: called twice"):
+            dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(OwnLoopError, match=r"^all_reduce: op 'avg' is not one of sum, mean, max, min$"):
+            dist.all_reduce(torch.ones(2), "avg")
+    with pytest.raises(OwnLoopError, match=r"^setup: this Distributed has ended$"):
+        dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(OwnLoopError, match=r"^backend: 'deepspeed' is not in the own-loop API yet"):
+        Distributed("deepspeed")
+    with pytest.raises(OwnLoopError, match=r"^parallel: tensor and pipeline parallel are not in the own-loop API"):
+        Distributed("ddp", spec={"parallel": {"tensor": 2}})
+    with pytest.raises(UserError, match=r"^precision: "):
+        Distributed("local", precision="fp8")
