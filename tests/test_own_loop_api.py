@@ -83,3 +83,35 @@ def test_misuse_is_one_line() -> None:
         Distributed("ddp", spec={"parallel": {"tensor": 2}})
     with pytest.raises(UserError, match=r"^precision: "):
         Distributed("local", precision="fp8")
+
+
+def test_setup_dataloaders_reads_each_sample_once_per_epoch_in_a_new_order_each_epoch() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(10))
+    with Distributed("local", seed=3) as dist:
+        loader = dist.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+        epochs = [[int(i) for (batch,) in loader for i in batch] for _ in range(3)]
+    assert [sorted(e) for e in epochs] == [list(range(10))] * 3
+    assert len({tuple(e) for e in epochs}) == 3  # set_epoch moved on at each pass
+    with Distributed("local", seed=3) as again:
+        assert [int(i) for (batch,) in again.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+                for i in batch] == epochs[0]  # the job's seed decides the order
+
+
+def test_the_shards_of_two_ranks_split_the_set() -> None:
+    """The sampler's shard is the backend's ``data_shard`` (a stand-in owner: two ranks in one process)."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from polytrain.protocols import DataShard
+    from polytrain.torch.distributed import _sharded
+
+    data = TensorDataset(torch.arange(10))
+    seen = []
+    for rank in (0, 1):
+        owner = SimpleNamespace(backend=SimpleNamespace(data_shard=DataShard(2, rank)), spec=SimpleNamespace(seed=0))
+        seen.append([int(i) for (batch,) in _sharded(DataLoader(data, batch_size=2, shuffle=True), owner)
+                     for i in batch])
+    assert len(seen[0]) == len(seen[1]) == 5 and sorted(seen[0] + seen[1]) == list(range(10))
