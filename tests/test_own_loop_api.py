@@ -115,3 +115,15 @@ def test_the_shards_of_two_ranks_split_the_set() -> None:
         seen.append([int(i) for (batch,) in _sharded(DataLoader(data, batch_size=2, shuffle=True), owner)
                      for i in batch])
     assert len(seen[0]) == len(seen[1]) == 5 and sorted(seen[0] + seen[1]) == list(range(10))
+
+
+def test_with_accumulation_backward_must_run_inside_accumulate() -> None:
+    """Outside `accumulate` the loss would be divided by the window yet the optimizer would step every time."""
+    x, y = batch()
+    with Distributed("local", grad_accum_steps=2) as dist:
+        model = net()
+        model, _ = dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(OwnLoopError, match=r"^backward: grad_accum_steps is 2; run each micro-step inside "):
+            dist.backward(torch.nn.functional.cross_entropy(model(x), y))
+        with dist.accumulate(model):
+            dist.backward(torch.nn.functional.cross_entropy(model(x), y))  # inside: taken

@@ -82,6 +82,7 @@ class Distributed:
         self._micro = 0
         self._sync = True
         self._unscaled = False
+        self._inside = False
         self._ended = False
         self.backend.setup()
         atexit.register(self.end)
@@ -146,8 +147,12 @@ class Distributed:
         self._needs_setup("accumulate")
         self._micro += 1
         self._sync = self._micro % self.accum == 0
-        with contextlib.nullcontext() if self._sync else self.backend.no_sync(model):
-            yield
+        self._inside = True
+        try:
+            with contextlib.nullcontext() if self._sync else self.backend.no_sync(model):
+                yield
+        finally:
+            self._inside = False
 
     @property
     def sync_gradients(self) -> bool:
@@ -158,6 +163,9 @@ class Distributed:
         """``loss.backward()`` as the backend runs it (scaled for fp16, divided over an accumulation window)."""
         self._needs_setup("backward")
         if self.accum > 1:
+            if not self._inside:  # it would divide the loss, yet step every time: a silently smaller step
+                raise OwnLoopError(f"backward: grad_accum_steps is {self.accum}; run each micro-step inside "
+                                   "`with dist.accumulate(model):`")
             loss = loss / self.accum
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
