@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 
 import pytest
@@ -21,3 +22,11 @@ def _no_mpi_segments_left_behind() -> Iterator[None]:
     before = shm_leftovers.present()
     yield
     shm_leftovers.remove_orphans(before)
+
+
+@pytest.fixture
+def shown(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
+    """What the Trainer prints during the test (see `trainer_runs.capture_progress`)."""
+    from trainer_runs import capture_progress
+
+    return capture_progress(monkeypatch)

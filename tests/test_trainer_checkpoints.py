@@ -16,7 +16,6 @@ from trainer_fakes import BIAS, WEIGHT, FakeFramework, FakeJob
 from trainer_runs import (
     PER_EPOCH,
     TWO,
-    capture_progress,
     final_state,
     fit,
     fit_fails,
@@ -31,12 +30,6 @@ from polytrain import checkpoint as ckpt
 from polytrain.errors import TrainingFailure
 from polytrain.spec import TrainSpec
 from polytrain.world import World
-
-
-@pytest.fixture
-def shown(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
-    return capture_progress(monkeypatch)
-
 
 # --------------------------------------------------------------------------- checkpoints
 

@@ -19,7 +19,6 @@ from trainer_runs import (
     STEP_SIZES,
     TWO,
     by_step,
-    capture_progress,
     epoch_order,
     final_state,
     fit,
@@ -35,12 +34,6 @@ from polytrain.data import load_dataset
 from polytrain.errors import TrainingFailure
 from polytrain.schedule import lr_at
 from polytrain.world import World
-
-
-@pytest.fixture
-def shown(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
-    return capture_progress(monkeypatch)
-
 
 # --------------------------------------------------------------------------- exact averaging
 

@@ -116,8 +116,8 @@ def epoch_order(spec: TrainSpec, epoch: int) -> np.ndarray:
 
 
 def capture_progress(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
-    """What the Trainer prints (its Progress binds sys.stderr at import, out of capsys' reach): a test module's
-    ``shown`` fixture."""
+    """What the Trainer prints (its Progress binds sys.stderr at import, out of capsys' reach): the
+    ``shown`` fixture of tests/conftest.py."""
     stream = io.StringIO()
 
     def progress(enabled: bool, prefix: str = "") -> Progress:
