@@ -36,7 +36,8 @@ def _build_model(name: str, params: Any, info: DatasetInfo) -> torch.nn.Module:
 
 
 def live_model(model: Any, backend: TorchBackend) -> torch.nn.Module:
-    """A model given to `polytrain.fit`: every rank starts from rank 0's weights (scripts seed differently)."""
+    """A model given to `polytrain.fit` or `polytrain.torch.Distributed.setup`: every rank starts from rank 0's
+    weights (scripts seed differently)."""
     if callable(model) and not isinstance(model, torch.nn.Module):  # a function that builds it
         model = call_user("model", f"fit:{user_name(model)}", model)
     if not isinstance(model, torch.nn.Module):

@@ -215,6 +215,7 @@ class Distributed:
         if self._ended:
             return
         self._ended = True
+        atexit.unregister(self.end)  # the exit hook held this object (and its backend) for the life of the process
         self._model = self._optimizer = None
         self.backend.teardown()
 
@@ -254,6 +255,8 @@ class _Optimizer:
         return self._owner._step(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients set to None at the end of a window (Horovod's optimizer takes no ``set_to_none``; None is
+        torch's default)."""
         if self._owner.sync_gradients:
             self.optimizer.zero_grad()
 
