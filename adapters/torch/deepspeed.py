@@ -221,6 +221,20 @@ class DeepSpeedBackend(TorchBackend):
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """Floating-point inputs in the dtype of the engine's bf16/fp16 weights: the engine runs its forward with
+        torch's CUDA autocast turned off (the Trainer's, around it, no longer casts them)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision)
+        return x.to(dtype) if dtype is not None and torch.is_tensor(x) and x.is_floating_point() else x
+
+    def train_micro_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_sum: Any, scale: float,
+                         sync: bool, autocast: contextlib.AbstractContextManager[Any], scaler: Any | None) -> float:
+        return super().train_micro_step(model, self._input(x), y, loss_sum, scale, sync, autocast, scaler)
+
+    def eval_outputs(self, model: nn.Module, x: torch.Tensor,
+                     autocast: contextlib.AbstractContextManager[Any]) -> torch.Tensor | None:
+        return super().eval_outputs(model, self._input(x), autocast)
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float | None:
         """DeepSpeed clips inside ``engine.step()`` (``gradient_clipping`` in the config); no norm to report yet."""
         return None
