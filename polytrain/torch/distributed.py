@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -68,6 +69,7 @@ class Distributed:
         return self
 
     def _start(self, world: World | None) -> None:
+        _release_ended_groups()
         if self.spec.parallel.model_parallel:
             raise OwnLoopError(MODEL_PARALLEL)
         self.world = world or detect_world()
@@ -76,6 +78,7 @@ class Distributed:
             raise OwnLoopError(f"backend: {name!r} is not in the own-loop API yet (it takes {', '.join(SUPPORTED)})")
         self.backend = registry.create_backend(self.spec, self.world)
         self.accum = self.spec.loop.grad_accum_steps
+        self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision)
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scaler: Any = None
@@ -126,9 +129,18 @@ class Distributed:
 
         model = live_model(model, self.backend).to(self.device)  # rank 0's weights on every rank, as fit does
         wrapped, inner = self.backend.wrap(model, optimizer)
+        if self._autocast_dtype is not None:  # as Fabric and Accelerate do: the forward in the precision asked for
+            wrapped.forward = _autocast_forward(wrapped.forward, self.device.type, self._autocast_dtype)
         self._model, self._optimizer = wrapped, inner
         self._scaler = self.backend.grad_scaler()
         return wrapped, _Optimizer(self, inner)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast (bf16/fp16; nothing for fp32), for work outside the model's forward, which
+        `setup` already runs under it (its floating outputs come back as fp32)."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module inside what `setup` returned."""
@@ -217,7 +229,10 @@ class Distributed:
         self._ended = True
         atexit.unregister(self.end)  # the exit hook held this object (and its backend) for the life of the process
         self._model = self._optimizer = None
+        group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         self.backend.teardown()
+        if group is not None and not torch.distributed.is_initialized():
+            _ENDED_GROUPS.append(group)  # see _release_ended_groups
 
     def __enter__(self) -> Distributed:
         return self
@@ -241,6 +256,21 @@ class Distributed:
         if self._scaler is None:
             return self.backend.optimizer_step(optimizer)
         return self.backend.scaled_optimizer_step(optimizer, self._scaler)
+
+
+#: process groups this module's `end` destroyed, held until the next `Distributed` starts or the process exits.
+#: The script's DDP model still holds its group when `end` returns; were that model the last holder, freeing it
+#: would join gloo's worker threads with the GIL held, while a worker that is finishing the last collective
+#: waits for the GIL to free that collective's tensors: both ranks hang (seen ~1 run in 5 on 2 ranks). A group
+#: freed from here goes through torch's Python object, whose destructor lets the GIL go first.
+_ENDED_GROUPS: list[Any] = []
+
+
+def _release_ended_groups() -> None:
+    _ENDED_GROUPS.clear()
+
+
+atexit.register(_release_ended_groups)
 
 
 class _Optimizer:
@@ -298,3 +328,26 @@ def _sharded(loader: Any, owner: Distributed) -> _EpochLoader:
     return _EpochLoader(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
                                    num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                                    pin_memory=loader.pin_memory, drop_last=loader.drop_last))
+
+
+def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype) -> Any:
+    """``forward`` run under autocast, its floating-point outputs returned as fp32 (so a loss outside it is
+    computed at full precision)."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            out = forward(*args, **kwargs)
+        return _to_fp32(out)
+
+    return run
+
+
+def _to_fp32(out: Any) -> Any:
+    if torch.is_tensor(out):
+        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
+    if type(out) is dict:
+        return {k: _to_fp32(v) for k, v in out.items()}
+    if type(out) in (list, tuple):
+        return type(out)(_to_fp32(v) for v in out)
+    return out  # other containers as they are
