@@ -91,16 +91,19 @@ if [[ "$device" == "cuda" && -d "$WHEELS" ]] && compgen -G "$WHEELS/deepspeed-*.
    "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' && \
    ! "$PY" -c 'import deepspeed' >/dev/null 2>&1; then
   use_site
-  log="$(mktemp)"
+  mkdir -p "$SITE"
+  log="$SITE/deepspeed-install.log"
   echo "gpu_check: installing the carried DeepSpeed into $SITE (DS_BUILD_OPS=0: ops are JIT-built)" >&2
+  # DeepSpeed's setup.py imports op_builder/ beside it: not with PYTHONSAFEPATH, which keeps its folder off sys.path
   if "$PY" -m pip install --no-index --no-deps --no-cache-dir --no-compile --upgrade --target "$SITE" \
         "$WHEELS"/*.whl >"$log" 2>&1 && \
-     DS_BUILD_OPS=0 DS_ACCELERATOR=cuda "$PY" -m pip install --no-index --no-deps --no-build-isolation \
-        --no-cache-dir --no-compile --upgrade --target "$SITE" "$WHEELS"/deepspeed-*.tar.gz >>"$log" 2>&1; then
-    rm -f "$log"
+     env -u PYTHONSAFEPATH DS_BUILD_OPS=0 DS_ACCELERATOR=cuda "$PY" -m pip install --no-index --no-deps \
+        --no-build-isolation --no-cache-dir --no-compile --upgrade --target "$SITE" "$WHEELS"/deepspeed-*.tar.gz \
+        >>"$log" 2>&1; then
+    :
   else
-    why="$(grep -v '^\s*$' "$log" | tail -n 1)"
-    echo "gpu_check: DeepSpeed did not install ($why); its rows will be skipped" >&2
+    why="$(grep -E 'Error|error:' "$log" | grep -v 'subprocess-exited-with-error' | tail -n 1 | sed 's/^ *//' || true)"
+    echo "gpu_check: DeepSpeed did not install (${why:-see $log}; the whole log: $log); its rows will be skipped" >&2
   fi
 fi
 

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 sys.path.insert(0, str(REPO))  # bench/ is a folder of the repository, not an installed package
 
-from bench.gpu import arith, cases, preflight  # noqa: E402
+from bench.gpu import arith, cases, own_loop, preflight  # noqa: E402
 from bench.gpu.report import Row, exit_code, format_markdown, format_text, last_line, summary  # noqa: E402
 from bench.gpu.rows import memory_row, placement_problem, speed_rows, train_row  # noqa: E402
 
@@ -246,6 +246,29 @@ def test_speed_rows() -> None:
     assert "MFU n/a" in slow[0].measured
 
 
+def test_own_loop_rows() -> None:
+    """fp32: every micro-step's loss within 1e-4 of the CPU's; bf16/fp16: within 0.05 on average; weights and
+    momentum on the device; a refusal is INFO."""
+    reference = [2.30, 2.10, 1.90, 1.70]
+    placed = {"param_devices": ["cuda"], "state_devices": ["cuda"], "backend_label": "ddp"}
+    good = {"losses": [2.30, 2.10, 1.90, 1.70 + 5e-5], **placed}
+    row = own_loop.loop_row("ddp ×1 (nccl)", "fp32", good, reference, "cuda")
+    assert (row.section, row.case, row.result) == ("own-loop", "own loop · ddp ×1 (nccl) · fp32", "PASS")
+    assert row.measured.startswith("max |loss − CPU loss| 5.00e-05 over 4 micro-steps; last loss 1.70")
+    assert own_loop.loop_row("d", "fp32", {**good, "losses": [2.30, 2.10, 1.90, 1.70 + 2e-4]}, reference,
+                             "cuda").result == "FAIL"
+    low = {"losses": [2.34, 2.06, 1.94, 1.66], **placed}  # 0.04 off each time: fine for bf16, not for fp32
+    assert own_loop.loop_row("d", "bf16", low, reference, "cuda").result == "PASS"
+    assert own_loop.loop_row("d", "fp32", low, reference, "cuda").result == "FAIL"
+    assert own_loop.loop_row("d", "bf16", {**low, "losses": [2.4, 2.2, 2.0, 1.8]}, reference, "cuda").result == "FAIL"
+    assert own_loop.loop_row("d", "fp32", {**good, "param_devices": ["cpu"]}, reference, "cuda").result == "FAIL"
+    assert own_loop.loop_row("d", "fp32", {**good, "losses": good["losses"][:3]}, reference, "cuda").result == "FAIL"
+    refused = {"error": "DistBackendError: NCCL", "traceback": "Duplicate GPU detected"}
+    assert own_loop.loop_row("d", "fp32", refused, reference, "cuda", refusals=("Duplicate GPU",)).result == "INFO"
+    assert own_loop.loop_row("d", "fp32", None, reference, "cuda", missing="timed out").note == "timed out"
+    assert own_loop.precisions("cuda") == ("fp32", "bf16", "fp16") and own_loop.precisions("cpu") == ("fp32", "bf16")
+
+
 def test_table_and_markdown() -> None:
     rows = [Row("correctness", "local · digits fp32", "PASS", "val acc 0.9749", "≥ 0.9549", "2.1 s"),
             Row("memory", "a|b", "FAIL", "state 1.00 GiB", "", ""), Row("speed", "Accelerate", "SKIP")]
@@ -326,3 +349,24 @@ def test_dry_run_on_cpu_measures_memory_and_speed(tmp_path: Path) -> None:
     for name in ("Lightning Trainer", "Accelerate"):
         if name in table:  # not installed here: a skip that says so
             assert table[name][2] == "SKIP" and "not installed" in table[name][5]
+
+
+def test_dry_run_on_cpu_runs_the_own_loop(tmp_path: Path) -> None:
+    """The own-loop section on the CPU: one process and two ranks give the reference's fp32 losses, bf16 really
+    runs in bf16 (its losses differ from fp32's, a little)."""
+    pytest.importorskip("torch")
+    md = tmp_path / "results.md"
+    result = run_script("--device", "cpu", "--sections", "own-loop", "--backends", "local,ddp2",
+                        "--markdown", str(md), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    table = _table(md)
+    for label in ("local", "ddp ×2 (gloo, one device)"):
+        fp32, bf16 = table[f"own loop · {label} · fp32"], table[f"own loop · {label} · bf16"]
+        assert fp32[2] == bf16[2] == "PASS", (fp32, bf16)
+        assert _loss_gap(fp32[3]) <= 1e-4 and "over 40 micro-steps" in fp32[3] and "weights cpu" in fp32[3]
+        assert 0 < _loss_gap(bf16[3]) <= 0.05
+
+
+def _loss_gap(measured: str) -> float:
+    """The number in "max |loss − CPU loss| 4.77e-07 over 40 micro-steps; ..." (markdown escapes the bars)."""
+    return float(measured.split(" over ")[0].split()[-1])

@@ -26,7 +26,7 @@ from bench.gpu.launch import JobResult, run_job
 from bench.gpu.report import Row, exit_code, format_markdown, format_text, summary
 from bench.gpu.rows import memory_row, speed_rows, speed_summary, train_row
 
-SECTIONS = ("correctness", "precision", "memory", "speed")
+SECTIONS = ("correctness", "precision", "own-loop", "memory", "speed")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -142,6 +142,44 @@ class Check:
             self.rows.append(Row("correctness", ", ".join(skipped_deepspeed), SKIP, "", "",
                                  "deepspeed does not import here (carry it: bash scripts/gpu_prepare.sh)"))
 
+    # ------------------------------------------------------------ own loop (polytrain.torch)
+    def own_loop_section(self) -> None:
+        if "own-loop" not in self.args.sections:
+            return
+        from bench.gpu import own_loop
+
+        def items(precisions: tuple[str, ...], backend: str) -> list[dict[str, Any]]:
+            return [{"name": f"own loop {p}", "backend": backend, "precision": p} for p in precisions]
+
+        reference = self.job("own-loop-reference-cpu", {"kind": "ownloop", "runs": items(("fp32",), "local")},
+                             device="cpu").run("own loop fp32")
+        losses = (reference or {}).get("losses")
+        self.rows.append(Row("own-loop", "own loop · local on CPU · fp32", INFO,
+                             f"last loss {losses[-1]:.4f}" if losses else (reference or {}).get("error", "no record"),
+                             "", ""))
+        not_yet = []
+        for key in self.args.backends:
+            case = cases.backend_cases(self.args.device)[key]
+            if case.spec["backend"] in own_loop.NOT_YET:
+                not_yet.append(case.label)
+                continue
+            job = {"kind": "ownloop", "runs": items(own_loop.precisions(self.args.device), case.spec["backend"]),
+                   "process_group": case.process_group}
+            result = self.job(f"own-loop-{key}", job, case.nproc, case.env)
+            refused = False
+            for precision in own_loop.precisions(self.args.device):
+                record = result.run(f"own loop {precision}")
+                if record is None and refused:  # the job stopped at the refusal
+                    self.rows.append(Row("own-loop", f"own loop · {case.label} · {precision}", INFO, "not run", "",
+                                         "refused above"))
+                    continue
+                row = own_loop.loop_row(case.label, precision, record, losses, self.args.device,
+                                        result.why_missing(), case.refusals)
+                refused = refused or row.measured == "refused"
+                self.rows.append(row)
+        if not_yet:
+            self.rows.append(own_loop.not_yet_row(not_yet))
+
     # ------------------------------------------------------------ memory
     def memory_section(self) -> None:
         if "memory" not in self.args.sections:
@@ -230,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         check.train_sections()
+        check.own_loop_section()
         check.memory_section()
         check.speed_section()
     finally:

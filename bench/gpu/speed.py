@@ -9,6 +9,7 @@ Accelerate are imported here only, and a runner whose library is missing returns
 
 from __future__ import annotations
 
+import importlib
 import json
 import tempfile
 import time
@@ -158,10 +159,15 @@ def lightning(cfg: SpeedConfig) -> dict[str, Any]:
                 _mark(marks, device)
 
     accelerator = "gpu" if device.type == "cuda" else "cpu"
+    # one process, no cluster: named, so that Lightning does not probe for MPI (its MPIEnvironment.detect()
+    # calls MPI_Init through mpi4py, which aborts the process where no MPI launcher started it)
+    environments = importlib.import_module(f"{L.__name__.split('.')[0]}.pytorch.plugins.environments"
+                                           if L.__name__.startswith("lightning") else
+                                           "pytorch_lightning.plugins.environments")
     trainer = L.Trainer(accelerator=accelerator, devices=1, precision="bf16-mixed", max_steps=cfg.total_steps,
                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[Marks()])
+                        callbacks=[Marks()], plugins=[environments.LightningEnvironment()])
     trainer.fit(Module(), _loader(cfg))
     return _result(marks, cfg, version=getattr(L, "__version__", "?"))
 

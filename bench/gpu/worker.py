@@ -213,6 +213,10 @@ def main(job_path: str, rank: int) -> None:
                     record = train_run(item, world, job["device"])
                 elif job["kind"] == "memory":
                     record = memory_run(item["raw"], world, job["device"])
+                elif job["kind"] == "ownloop":
+                    from bench.gpu.own_loop import loop_run
+
+                    record = loop_run(item["backend"], item["precision"], world)
                 else:
                     from bench.gpu.speed import measure
 
