@@ -100,23 +100,54 @@ def test_setup_dataloaders_reads_each_sample_once_per_epoch_in_a_new_order_each_
 
 
 def test_the_shards_of_two_ranks_split_the_set() -> None:
-    """The sampler's shard is the backend's ``data_shard`` (a stand-in owner: two ranks in one process)."""
-    from types import SimpleNamespace
-
+    """The sampler's shard is the backend's ``data_shard`` (two ranks' loaders in one process)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from polytrain.protocols import DataShard
-    from polytrain.torch.distributed import _sharded
+    from polytrain.torch.loaders import Loading, sharded
 
     data = TensorDataset(torch.arange(10))
     seen = []
     for rank in (0, 1):
-        owner = SimpleNamespace(backend=SimpleNamespace(data_shard=DataShard(2, rank)), spec=SimpleNamespace(seed=0))
-        seen.append([int(i) for (batch,) in _sharded(DataLoader(data, batch_size=2, shuffle=True), owner)
-                     for i in batch])
+        loader = sharded(DataLoader(data, batch_size=2, shuffle=True), DataShard(2, rank), 0, Loading())
+        seen.append([int(i) for (batch,) in loader for i in batch])
     assert len(seen[0]) == len(seen[1]) == 5 and sorted(seen[0] + seen[1]) == list(range(10))
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_gathered_batches_hold_each_sample_once_in_the_loaders_order(shuffle: bool, drop_last: bool) -> None:
+    """Property over set sizes 1-13, batch sizes 1-4 and world sizes 1-4: the rows `gather_for_metrics` keeps
+    from the ranks' sharded batches (`kept_rows`, on each rank's real `DistributedSampler` shard) are every
+    sample exactly once, in one process's order (its permutation when shuffled); with drop_last, the samples
+    the sampler drops are the only ones missing. The copies that even out the shares are what is dropped."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from polytrain.protocols import DataShard
+    from polytrain.torch.loaders import Loading, kept_rows, sharded
+
+    for total in range(1, 14):
+        data = TensorDataset(torch.arange(total))
+        for batch_size in range(1, 5):
+            for world in range(1, 5):
+                loadings = [Loading() for _ in range(world)]
+                loaders = [sharded(DataLoader(data, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last),
+                                   DataShard(world, rank), 7, loadings[rank]) for rank in range(world)]
+                gathered: list[int] = []
+                for batches in zip(*loaders):  # the ranks' i-th batches, as a collective would see them
+                    counts = [len(b[0]) for b in batches]
+                    places = {loading.place for loading in loadings}
+                    assert len(places) == 1
+                    gathered += [int(batches[r][0][i]) for r, i in kept_rows(places.pop(), counts)]
+                shards = [list(loader.sampler) for loader in loaders]
+                padded = [shards[p % world][p // world] for p in range(sum(map(len, shards)))]
+                expected = padded[:total] if not drop_last else padded
+                if drop_last and batch_size > 1:  # DataLoader(drop_last) also drops each rank's short last batch
+                    full = len(shards[0]) // batch_size * batch_size
+                    expected = padded[:full * world]
+                assert gathered == expected, (total, batch_size, world)
+                if not drop_last:
+                    assert sorted(gathered) == list(range(total))  # each sample exactly once
 def test_with_accumulation_backward_must_run_inside_accumulate() -> None:
     """Outside `accumulate` the loss would be divided by the window yet the optimizer would step every time."""
     x, y = batch()

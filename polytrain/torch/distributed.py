@@ -8,7 +8,7 @@ there is one; the returned optimizer steps through the backend's ``optimizer_ste
 window. Gradients are averaged over the ranks, as one process would average over the whole batch.
 
 Not yet here (issue 28 is open): deepspeed and tensor parallel (refused in one line), checkpoints in the
-Trainer's portable format, ``gather_for_metrics``, ``Distributed.launch``, TensorFlow.
+Trainer's portable format, ``Distributed.launch``, TensorFlow.
 """
 
 from __future__ import annotations
@@ -27,17 +27,14 @@ from torch import nn
 
 from polytrain import registry, validation
 from polytrain.environments import detect_world
-from polytrain.errors import UserError
+from polytrain.torch.errors import OwnLoopError
+from polytrain.torch.loaders import Loading, gather, sharded
 from polytrain.world import World
 
 #: backends whose own hooks a hand-written loop can drive as it is (the others come with issue 28)
 SUPPORTED = ("local", "ddp", "fsdp", "horovod", "mpi")
 REDUCE_OPS = ("sum", "mean", "max", "min")
 MODEL_PARALLEL = "parallel: tensor and pipeline parallel are not in the own-loop API yet; use polytrain.fit or a spec"
-
-
-class OwnLoopError(UserError):
-    """The own-loop API used out of order or with what it cannot take; the message is one line."""
 
 
 class Distributed:
@@ -83,6 +80,7 @@ class Distributed:
         self._optimizer: torch.optim.Optimizer | None = None
         self._scaler: Any = None
         self._micro = 0
+        self._loading = Loading()
         self._sync = True
         self._unscaled = False
         self._inside = False
@@ -198,8 +196,16 @@ class Distributed:
     def setup_dataloaders(self, *loaders: torch.utils.data.DataLoader) -> Any:
         """Each loader re-made to read this rank's shard (a `DistributedSampler`: shuffled with the job's seed
         when the original shuffled, the epoch moved on at every pass over it). One loader in, one out."""
-        made = [_sharded(loader, self) for loader in loaders]
+        made = [sharded(loader, self.backend.data_shard, self.spec.seed, self._loading) for loader in loaders]
         return made[0] if len(made) == 1 else tuple(made)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """``data`` (a tensor, or a tuple/list/dict of them, one row per sample) from every rank, concatenated.
+        Inside a loop over a loader from `setup_dataloaders`, exactly the set's samples, in the loader's order:
+        the copies its sampler added to even out the ranks' shares are dropped, so a metric computed on the
+        result equals the one-process value for any set size, batch size and world size."""
+        self._check_open("gather_for_metrics")
+        return gather(data, self.backend, self.world, self._loading.place)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -292,42 +298,6 @@ class _Optimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
-
-
-class _EpochLoader:
-    """A loader whose sampler moves to the next epoch at each pass (``set_epoch``), as DDP scripts do by hand."""
-
-    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
-        self.loader, self.epoch = loader, 0
-
-    def __iter__(self) -> Iterator[Any]:
-        self.loader.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-
-def _sharded(loader: Any, owner: Distributed) -> _EpochLoader:
-    from torch.utils.data import DataLoader, RandomSampler
-    from torch.utils.data.distributed import DistributedSampler
-
-    if not isinstance(loader, DataLoader):
-        raise OwnLoopError(f"setup_dataloaders: expected torch DataLoaders, got {type(loader).__name__}")
-    if loader.batch_size is None:
-        raise OwnLoopError("setup_dataloaders: a loader with a batch_sampler of its own cannot be sharded; "
-                           "give it batch_size and shuffle")
-    shard = owner.backend.data_shard
-    sampler = DistributedSampler(loader.dataset, num_replicas=shard.count, rank=shard.index,
-                                 shuffle=isinstance(loader.sampler, RandomSampler), seed=owner.spec.seed,
-                                 drop_last=loader.drop_last)
-    return _EpochLoader(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
-                                   num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                                   pin_memory=loader.pin_memory, drop_last=loader.drop_last))
 
 
 def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype) -> Any:

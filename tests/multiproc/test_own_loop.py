@@ -49,3 +49,27 @@ def test_two_ranks_equal_one_process(one_process: dict, tmp_path: Path, backend:
     assert got["weights"].keys() == one_process["weights"].keys()
     for name, values in one_process["weights"].items():
         np.testing.assert_allclose(got["weights"][name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+GATHER = str(Path(__file__).resolve().parent / "gather_worker.py")
+
+
+@pytest.mark.parametrize(("backend", "nproc"), [("ddp", 3), ("mpi", 2)])
+def test_gather_for_metrics_is_exact_on_an_uneven_set(tmp_path: Path, backend: str, nproc: int) -> None:
+    """11 samples on 3 (or 2) ranks: the samplers add copies to even the shares out; what `gather_for_metrics`
+    returns is each sample once, in the order one process reads them, each epoch."""
+    launcher, env = JOBS[backend]
+    outs = {}
+    for n in (1, nproc):
+        out = tmp_path / f"gather-{n}.json"
+        exports = [name for name, value in env.items() if value is not None]
+        done = check(run(command("python" if n == 1 else launcher, [GATHER, "local" if n == 1 else backend,
+                                                                    str(out)], n, exports=exports),
+                         env=job_env(env), timeout=120))
+        assert not done.left_behind, done.left_behind
+        outs[n] = json.loads(out.read_text())
+    assert outs[nproc]["world"] == nproc
+    for one, many in zip(outs[1]["epochs"], outs[nproc]["epochs"]):
+        assert sorted(many["ids"]) == list(range(11))
+        assert many["ids"] == one["ids"] and many["preds"] == [2.0 * i for i in one["ids"]]
+    assert outs[1]["epochs"][0]["ids"] != outs[1]["epochs"][1]["ids"]  # a new order each epoch
