@@ -8,7 +8,7 @@ there is one; the returned optimizer steps through the backend's ``optimizer_ste
 window. Gradients are averaged over the ranks, as one process would average over the whole batch.
 
 Not yet here (issue 28 is open): deepspeed and tensor parallel (refused in one line), checkpoints in the
-Trainer's portable format, ``Distributed.launch``, TensorFlow.
+Trainer's portable format, TensorFlow.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import atexit
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,15 @@ class Distributed:
             raise OwnLoopError(f"framework: {self.spec.framework!r} in {path}; polytrain.torch runs torch specs")
         self._start(world)
         return self
+
+    @staticmethod
+    def launch(main: Callable[..., Any], *args: Any, np: int) -> None:
+        """Run ``main(*args)`` on ``np`` ranks of this machine: started here (``spawn``; guard the call with
+        ``if __name__ == "__main__":``), or in this process when a launcher already started ``np`` of them.
+        A rank that fails stops the others and raises `TrainingFailure` naming it."""
+        from polytrain.torch.launch import launch
+
+        launch(main, args, np)
 
     def _start(self, world: World | None) -> None:
         _release_ended_groups()

@@ -3,7 +3,9 @@ SGD with momentum, 2 micro-steps of accumulation, clipping that bites, 20 optimi
 global batch of 32 is split across the ranks (rank r takes every world-th sample), so any world size sees the
 same samples per update. Rank 0 writes every micro-step's loss (averaged over the ranks) and the final weights.
 
-Usage: python own_loop_worker.py BACKEND OUT.json
+Usage: python own_loop_worker.py BACKEND OUT.json [--launch NP [--fail-rank R]]
+(``--launch``: the script starts its NP processes itself through `Distributed.launch`, the ``mp.spawn`` case;
+``--fail-rank``: that rank raises before training, to see the others stopped and the failure named.)
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from polytrain.torch import Distributed
 GLOBAL_BATCH, ACCUM, STEPS = 32, 2, 20
 
 
-def main() -> None:
-    backend, out = sys.argv[1], sys.argv[2]
+def train(backend: str, out: str, fail_rank: int = -1) -> None:
     dist = Distributed(backend, grad_accum_steps=ACCUM)
+    if dist.rank == fail_rank:
+        raise RuntimeError(f"rank {dist.rank} fails on purpose")
     bunch = load_digits()
     x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
     y = torch.tensor(bunch.target, dtype=torch.int64)
@@ -49,6 +52,16 @@ def main() -> None:
             json.dump({"backend": dist.backend_name, "world": dist.world_size, "losses": losses, "norms": norms,
                        "weights": {k: v.flatten().tolist() for k, v in state.items()}}, f)
     dist.end()
+
+
+def main() -> None:
+    backend, out = sys.argv[1], sys.argv[2]
+    if "--launch" not in sys.argv:
+        train(backend, out)
+        return
+    np = int(sys.argv[sys.argv.index("--launch") + 1])
+    fail = int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else -1
+    Distributed.launch(train, backend, out, fail, np=np)
 
 
 if __name__ == "__main__":

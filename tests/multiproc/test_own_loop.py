@@ -5,6 +5,7 @@ accumulation and clipping, on ddp and fsdp under torchrun, mpi under mpirun and 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +74,37 @@ def test_gather_for_metrics_is_exact_on_an_uneven_set(tmp_path: Path, backend: s
         assert sorted(many["ids"]) == list(range(11))
         assert many["ids"] == one["ids"] and many["preds"] == [2.0 * i for i in one["ids"]]
     assert outs[1]["epochs"][0]["ids"] != outs[1]["epochs"][1]["ids"]  # a new order each epoch
+
+
+def test_launch_starts_the_ranks_itself_and_equals_one_process(one_process: dict, tmp_path: Path) -> None:
+    """`Distributed.launch(train, ..., np=2)` from a plain `python script.py` (the mp.spawn case): two ranks of
+    ddp on loopback, the same losses and weights as one process."""
+    out = tmp_path / "launched.json"
+    done = check(run([sys.executable, WORKER, "ddp", str(out), "--launch", "2"], env=job_env({}), timeout=180))
+    assert not done.left_behind, done.left_behind
+    got = json.loads(out.read_text())
+    assert (got["backend"], got["world"]) == ("ddp", 2)
+    np.testing.assert_allclose(got["losses"], one_process["losses"], rtol=1e-5)
+    for name, values in one_process["weights"].items():
+        np.testing.assert_allclose(got["weights"][name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_launch_names_the_rank_that_failed_and_stops_the_others(tmp_path: Path) -> None:
+    """Rank 1 raises before training; rank 0 would wait for it in the first collective: it is stopped, the
+    script fails with exit code 1 and one line naming rank 1, and no process is left."""
+    done = run([sys.executable, WORKER, "ddp", str(tmp_path / "x.json"), "--launch", "2", "--fail-rank", "1"],
+               env=job_env({}), timeout=180)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "RuntimeError: rank 1 fails on purpose" in done.stderr
+    assert "TrainingFailure: Distributed.launch: rank 1 of 2 exited with code 1" in done.stderr
+    assert not done.left_behind, done.left_behind
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_launch_under_a_launcher_must_agree_with_its_world(tmp_path: Path) -> None:
+    """Under torchrun with 2 processes, np=3 is a one-line error naming both numbers (no process is started)."""
+    done = run(command("torchrun", [WORKER, "ddp", str(tmp_path / "x.json"), "--launch", "3"], 2),
+               env=job_env({}), timeout=120)
+    assert done.returncode != 0
+    assert "launch: np=3, but torchrun started 2 process(es)" in done.stderr
+    assert not done.left_behind, done.left_behind
