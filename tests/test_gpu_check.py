@@ -241,6 +241,14 @@ def test_speed_rows() -> None:
     assert rows["polytrain vs Lightning"].result == "PASS"
     assert rows["polytrain vs Lightning"].reference == "polytrain's step time 0.971× this (target ≤ 1.01)"
     assert rows["Accelerate"].result == "SKIP"
+    compiled = {**results, "hand-compile": {"step_s": 0.080, "samples_per_s": 200.0},
+                "polytrain-compile": {"step_s": 0.084, "samples_per_s": 190.5}}
+    rows = {r.case: r for r in speed_rows(compiled, cfg, 989.0, labels | {"hand-compile": "hc",
+                                                                          "polytrain-compile": "pc"})}
+    assert (rows["hc"].result, rows["hc"].reference) == ("INFO", "1.25× the eager loop's speed")
+    assert rows["pc"].result == "FAIL"  # 1.05 × the compiled loop, not the eager one (0.84 ×)
+    assert rows["pc"].reference == "step time 1.050× the compiled hand-written loop's (target ≤ 1.03)"
+    assert "polytrain vs pc" not in rows and "polytrain vs hc" not in rows
     slow = speed_rows({**results, "polytrain": {"step_s": 0.110, "samples_per_s": 145.5}}, cfg, None, {})
     assert [r.result for r in slow if r.case in ("polytrain", "polytrain vs lightning")] == ["FAIL", "FAIL"]
     assert "MFU n/a" in slow[0].measured
@@ -349,6 +357,8 @@ def test_dry_run_on_cpu_measures_memory_and_speed(tmp_path: Path) -> None:
     for name in ("Lightning Trainer", "Accelerate"):
         if name in table:  # not installed here: a skip that says so
             assert table[name][2] == "SKIP" and "not installed" in table[name][5]
+    for name in ("hand-written loop, compiled", "polytrain Trainer, compile.enabled"):
+        assert table[name][2] == "SKIP" and "CUDA only" in table[name][5]
 
 
 def test_dry_run_on_cpu_runs_the_own_loop(tmp_path: Path) -> None:

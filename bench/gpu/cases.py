@@ -209,7 +209,7 @@ class SpeedConfig:
     def total_steps(self) -> int:
         return self.warmup_steps + self.steps
 
-    def spec(self, output: str, precision: str = "bf16") -> dict[str, Any]:
+    def spec(self, output: str, precision: str = "bf16", compiled: bool = False) -> dict[str, Any]:
         samples = (self.total_steps + 4) * self.batch  # one epoch holds every step: no evaluation mid-run
         tokens = {"samples": int(samples / 0.98) + 1, "seq_len": self.seq_len, "vocab": self.vocab}
         return {"backend": "local", "seed": 0, "precision": precision, "output": output,
@@ -218,7 +218,8 @@ class SpeedConfig:
                 "optimizer": {"name": "adamw", "lr": self.lr},
                 "data": {"name": "tokens", "batch_size": self.batch, "val_fraction": 0.02,
                          "tokens": tokens},
-                "loop": {"epochs": 1, "max_steps": self.total_steps, "log_every_n_steps": self.window}}
+                "loop": {"epochs": 1, "max_steps": self.total_steps, "log_every_n_steps": self.window},
+                "compile": {"enabled": compiled}}
 
 
 #: full: ~131 M parameters (10 blocks of d 1024 and a 4096-token head) on 16 × 1024 tokens a step

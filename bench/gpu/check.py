@@ -213,10 +213,12 @@ class Check:
     def speed_section(self) -> None:
         if "speed" not in self.args.sections:
             return
-        from bench.gpu.speed import LABELS, RUNNERS
+        from bench.gpu.speed import COMPILED, LABELS, RUNNERS
 
         cfg = cases.SPEED[self.args.mode]
         best: dict[str, dict[str, Any]] = {}
+        if self.args.device != "cuda":
+            best.update({r: {"skip": "torch.compile's runners run on CUDA only"} for r in COMPILED})
         for round_ in range(self.args.speed_rounds):
             for runner in RUNNERS:
                 if "skip" in best.get(runner, {}):
@@ -235,11 +237,6 @@ class Check:
         if ratios:
             text = ", ".join(f"{LABELS[r]} {v:.3f}" for r, v in ratios.items())
             self.rows.append(Row("speed", "samples/s ÷ hand-written loop's", INFO, text, "", ""))
-        from polytrain.spec import field_paths
-
-        if "compile" not in field_paths():
-            self.rows.append(Row("speed", "compile on/off", SKIP, "", "",
-                                 "the spec has no compile option yet"))
 
     def device_name(self) -> str:
         if self.args.device != "cuda":

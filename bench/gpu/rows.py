@@ -165,12 +165,17 @@ def speed_rows(results: Mapping[str, Mapping[str, Any]], cfg: SpeedConfig, peak_
         if runner == "hand":
             peak = f"bf16 peak {peak_tflops:g} TFLOP/s" if peak_tflops else "bf16 peak unknown"
             rows.append(Row("speed", label, INFO, numbers(rec), peak, shape))
-        elif runner == "polytrain":
-            if "step_s" not in hand:
-                rows.append(Row("speed", label, INFO, numbers(rec), "no hand-written loop to compare", ""))
+        elif runner == "hand-compile":
+            eager = f"{hand['step_s'] / rec['step_s']:.2f}× the eager loop's speed" if "step_s" in hand else ""
+            rows.append(Row("speed", label, INFO, numbers(rec), eager, "torch.compile, default mode"))
+        elif runner in ("polytrain", "polytrain-compile"):
+            base = hand if runner == "polytrain" else results.get("hand-compile", {})
+            what = "hand-written loop" if runner == "polytrain" else "compiled hand-written loop"
+            if "step_s" not in base:
+                rows.append(Row("speed", label, INFO, numbers(rec), f"no {what} to compare", ""))
                 continue
-            result, ratio = speed_verdict(rec["step_s"], hand["step_s"], TARGET_VS_HAND)
-            rule = f"step time {ratio:.3f}× the hand-written loop's (target ≤ {TARGET_VS_HAND})"
+            result, ratio = speed_verdict(rec["step_s"], base["step_s"], TARGET_VS_HAND)
+            rule = f"step time {ratio:.3f}× the {what}'s (target ≤ {TARGET_VS_HAND})"
             rows.append(Row("speed", label, result, numbers(rec), rule, ""))
         else:
             if "step_s" not in ours:

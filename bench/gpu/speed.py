@@ -19,9 +19,12 @@ from typing import Any
 from bench.gpu.arith import median_step, window_step_times
 from bench.gpu.cases import SpeedConfig
 
-RUNNERS = ("hand", "polytrain", "lightning", "accelerate")
+RUNNERS = ("hand", "polytrain", "lightning", "accelerate", "hand-compile", "polytrain-compile")
 LABELS = {"hand": "hand-written loop", "polytrain": "polytrain Trainer", "lightning": "Lightning Trainer",
-          "accelerate": "Accelerate"}
+          "accelerate": "Accelerate", "hand-compile": "hand-written loop, compiled",
+          "polytrain-compile": "polytrain Trainer, compile.enabled"}
+#: torch.compile's runners: on CUDA only (on the CPU, inductor's C++ build would take minutes of the dry run)
+COMPILED = ("hand-compile", "polytrain-compile")
 
 
 def _data(cfg: SpeedConfig) -> Any:
@@ -78,12 +81,14 @@ def _result(marks: list[float], cfg: SpeedConfig, **extra: Any) -> dict[str, Any
     return {"step_s": step, "samples_per_s": cfg.batch / step, "windows": times, **extra}
 
 
-def hand(cfg: SpeedConfig) -> dict[str, Any]:
+def hand(cfg: SpeedConfig, compiled: bool = False) -> dict[str, Any]:
     import torch
 
     device = _device()
     data = _data(cfg)
     model = _model(cfg, device)
+    if compiled:
+        model.compile()  # in place, as polytrain's compile.enabled does it (the warm-up steps absorb compilation)
     optimizer = _optimizer(model, cfg)
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
@@ -103,12 +108,12 @@ def hand(cfg: SpeedConfig) -> dict[str, Any]:
     return _result(marks, cfg, params=sum(p.numel() for p in model.parameters()))
 
 
-def polytrain_trainer(cfg: SpeedConfig) -> dict[str, Any]:
+def polytrain_trainer(cfg: SpeedConfig, compiled: bool = False) -> dict[str, Any]:
     from polytrain import validation
     from polytrain.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="polytrain-gpu-speed-") as out:
-        Trainer(validation.from_dict(cfg.spec(out)), show_progress=False).fit()
+        Trainer(validation.from_dict(cfg.spec(out, compiled=compiled)), show_progress=False).fit()
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in records if r.get("event") == "step" and r["step"] % cfg.window == 0]
     times = [cfg.batch / r["samples_per_s"] for r in windows][cfg.warmup_steps // cfg.window:]
@@ -196,7 +201,9 @@ def accelerate(cfg: SpeedConfig) -> dict[str, Any]:
     return _result(marks, cfg, version=version)
 
 
-MEASURE = {"hand": hand, "polytrain": polytrain_trainer, "lightning": lightning, "accelerate": accelerate}
+MEASURE = {"hand": hand, "polytrain": polytrain_trainer, "lightning": lightning, "accelerate": accelerate,
+           "hand-compile": lambda cfg: hand(cfg, compiled=True),
+           "polytrain-compile": lambda cfg: polytrain_trainer(cfg, compiled=True)}
 
 
 def measure(runner: str, config: dict[str, Any]) -> dict[str, Any]:
