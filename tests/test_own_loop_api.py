@@ -77,8 +77,8 @@ def test_misuse_is_one_line() -> None:
             dist.all_reduce(torch.ones(2), "avg")
     with pytest.raises(OwnLoopError, match=r"^setup: this Distributed has ended$"):
         dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(OwnLoopError, match=r"^backend: 'deepspeed' is not in the own-loop API yet"):
-        Distributed("deepspeed")
+    with pytest.raises(UserError, match=r"^backend: 'tf-multiworker' is not available for framework 'torch'"):
+        Distributed("tf-multiworker")  # a backend the framework lacks
     with pytest.raises(OwnLoopError, match=r"^parallel: tensor and pipeline parallel are not in the own-loop API"):
         Distributed("ddp", spec={"parallel": {"tensor": 2}})
     with pytest.raises(UserError, match=r"^precision: "):

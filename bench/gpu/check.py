@@ -148,22 +148,25 @@ class Check:
             return
         from bench.gpu import own_loop
 
-        def items(precisions: tuple[str, ...], backend: str) -> list[dict[str, Any]]:
-            return [{"name": f"own loop {p}", "backend": backend, "precision": p} for p in precisions]
+        def items(precisions: tuple[str, ...], case: cases.BackendCase) -> list[dict[str, Any]]:
+            spec = {k: v for k, v in case.spec.items() if k != "backend"}
+            return [{"name": f"own loop {p}", "backend": case.spec["backend"], "precision": p, "spec": spec}
+                    for p in precisions]
 
-        reference = self.job("own-loop-reference-cpu", {"kind": "ownloop", "runs": items(("fp32",), "local")},
+        local = cases.backend_cases("cpu")["local"]
+        reference = self.job("own-loop-reference-cpu", {"kind": "ownloop", "runs": items(("fp32",), local)},
                              device="cpu").run("own loop fp32")
         losses = (reference or {}).get("losses")
         self.rows.append(Row("own-loop", "own loop · local on CPU · fp32", INFO,
                              f"last loss {losses[-1]:.4f}" if losses else (reference or {}).get("error", "no record"),
                              "", ""))
-        not_yet = []
         for key in self.args.backends:
             case = cases.backend_cases(self.args.device)[key]
-            if case.spec["backend"] in own_loop.NOT_YET:
-                not_yet.append(case.label)
+            if case.needs and not preflight.installed(case.needs):
+                self.rows.append(Row("own-loop", f"own loop · {case.label}", SKIP, "", "",
+                                     f"{case.needs} does not import here"))
                 continue
-            job = {"kind": "ownloop", "runs": items(own_loop.precisions(self.args.device), case.spec["backend"]),
+            job = {"kind": "ownloop", "runs": items(own_loop.precisions(self.args.device), case),
                    "process_group": case.process_group}
             result = self.job(f"own-loop-{key}", job, case.nproc, case.env)
             refused = False
@@ -177,8 +180,6 @@ class Check:
                                         result.why_missing(), case.refusals)
                 refused = refused or row.measured == "refused"
                 self.rows.append(row)
-        if not_yet:
-            self.rows.append(own_loop.not_yet_row(not_yet))
 
     # ------------------------------------------------------------ memory
     def memory_section(self) -> None:

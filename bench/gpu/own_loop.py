@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.gpu.arith import FAIL, INFO, PASS, SKIP
+from bench.gpu.arith import FAIL, INFO, PASS
 from bench.gpu.report import Row
 from polytrain.world import World
 
-GLOBAL_BATCH, ACCUM, STEPS = 32, 2, 20
+GLOBAL_BATCH, ACCUM, STEPS, CLIP = 32, 2, 20, 0.5
 #: fp32 on the device against fp32 on the CPU (different kernels, same math): any micro-step's loss
 LOSS_TOL = 1e-4
 #: bf16/fp16 autocast against fp32 on the CPU: the mean absolute difference of the micro-steps' losses
@@ -27,19 +27,21 @@ LOSS_TOL_LOW = 0.05
 def precisions(device: str) -> tuple[str, ...]:
     """fp32 and bf16 everywhere; fp16 (with the backend's gradient scaler) on CUDA."""
     return ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
-#: the backends of `bench.gpu.cases.backend_cases` the own-loop API does not take yet (issue 28)
-NOT_YET = ("deepspeed",)
 
 
-def loop_run(backend: str, precision: str, world: World) -> dict[str, Any]:
-    """Run the loop once on ``backend``; every micro-step's loss (mean over ranks) and where state lives."""
+def loop_run(backend: str, precision: str, world: World, spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the loop once on ``backend`` (``spec``: the case's other fields, e.g. the ZeRO stage); every
+    micro-step's loss (mean over ranks) and where state lives."""
     import torch
     from sklearn.datasets import load_digits
     from torch import nn
 
     from polytrain.torch import Distributed
 
-    dist = Distributed(backend, precision=precision, grad_accum_steps=ACCUM, world=world)
+    spec = dict(spec or {})
+    if backend == "deepspeed":  # the engine clips in its step, at the norm it was built with
+        spec["loop"] = {"grad_clip_norm": CLIP}
+    dist = Distributed(backend, precision=precision, grad_accum_steps=ACCUM, world=world, spec=spec)
     try:
         bunch = load_digits()
         x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
@@ -59,7 +61,7 @@ def loop_run(backend: str, precision: str, world: World) -> dict[str, Any]:
                         loss = nn.functional.cross_entropy(model(xb), yb)
                     dist.backward(loss)
                 losses.append(float(dist.all_reduce(loss.detach().float(), "mean")))
-            dist.clip_grad_norm_(model, 0.5)
+            dist.clip_grad_norm_(model, CLIP)
             optimizer.step()
             optimizer.zero_grad()
         params = [getattr(p, "_local_tensor", p) for p in model.parameters()]
@@ -102,8 +104,3 @@ def loop_row(label: str, precision: str, record: Mapping[str, Any] | None, refer
     measured = (f"{what} |loss − CPU loss| {worst:.2e} over {len(losses)} micro-steps; "
                 f"last loss {losses[-1]:.4f} (CPU {reference[-1]:.4f}); weights {','.join(placed[0] or [])}")
     return Row("own-loop", case, result, measured, f"{what} ≤ {tol:g}", "; ".join(n for n in notes if n))
-
-
-def not_yet_row(labels: Sequence[str]) -> Row:
-    return Row("own-loop", ", ".join(labels), SKIP, "", "",
-               "the own-loop API does not take deepspeed yet (issue 28)")

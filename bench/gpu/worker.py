@@ -216,7 +216,7 @@ def main(job_path: str, rank: int) -> None:
                 elif job["kind"] == "ownloop":
                     from bench.gpu.own_loop import loop_run
 
-                    record = loop_run(item["backend"], item["precision"], world)
+                    record = loop_run(item["backend"], item["precision"], world, item.get("spec"))
                 else:
                     from bench.gpu.speed import measure
 

@@ -7,8 +7,9 @@ sync after the last micro-step for horovod and mpi, DDP's and FSDP's hooks), thr
 there is one; the returned optimizer steps through the backend's ``optimizer_step`` once per accumulation
 window. Gradients are averaged over the ranks, as one process would average over the whole batch.
 
-Not yet here (issue 28 is open): deepspeed and tensor parallel (refused in one line), checkpoints in the
-Trainer's portable format, TensorFlow.
+DeepSpeed: the engine's own accumulation boundary (``no_sync``), backward and step; it clips inside its step at
+the spec's ``loop.grad_clip_norm``. Not yet here (issue 28 is open): tensor parallel (refused in one line),
+checkpoints in the Trainer's portable format, TensorFlow.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from polytrain.torch.loaders import Loading, gather, sharded
 from polytrain.world import World
 
 #: backends whose own hooks a hand-written loop can drive as it is (the others come with issue 28)
-SUPPORTED = ("local", "ddp", "fsdp", "horovod", "mpi")
+SUPPORTED = ("local", "ddp", "fsdp", "deepspeed", "horovod", "mpi")
 REDUCE_OPS = ("sum", "mean", "max", "min")
 MODEL_PARALLEL = "parallel: tensor and pipeline parallel are not in the own-loop API yet; use polytrain.fit or a spec"
 
@@ -137,7 +138,9 @@ class Distributed:
         model = live_model(model, self.backend).to(self.device)  # rank 0's weights on every rank, as fit does
         wrapped, inner = self.backend.wrap(model, optimizer)
         if self._autocast_dtype is not None:  # as Fabric and Accelerate do: the forward in the precision asked for
-            wrapped.forward = _autocast_forward(wrapped.forward, self.device.type, self._autocast_dtype)
+            # DeepSpeed's engine keeps bf16/fp16 weights and turns CUDA autocast off inside: cast float inputs too
+            wrapped.forward = _autocast_forward(wrapped.forward, self.device.type, self._autocast_dtype,
+                                                cast_inputs=self.backend.name == "deepspeed")
         self._model, self._optimizer = wrapped, inner
         self._scaler = self.backend.grad_scaler()
         return wrapped, _Optimizer(self, inner)
@@ -194,6 +197,13 @@ class Distributed:
         """Clip the averaged (and, for fp16, unscaled) gradients; the total norm before clipping. Call it where
         the optimizer steps (a no-op returning None on the other micro-steps of a window)."""
         self._needs_setup("clip_grad_norm_")
+        if self.backend.name == "deepspeed":  # the engine clips in its step, at the norm its config was built with
+            configured = self.spec.loop.grad_clip_norm
+            if configured is None or abs(configured - max_norm) > 1e-12 * max(1.0, max_norm):
+                raise OwnLoopError(f"clip_grad_norm_: deepspeed clips inside its step, at the norm given when the "
+                                   f"engine is built (loop.grad_clip_norm: {configured}); pass "
+                                   f"spec={{'loop': {{'grad_clip_norm': {max_norm}}}}} to Distributed")
+            return None
         if not self._sync:
             return None
         if self._scaler is not None and not self._unscaled:
@@ -309,12 +319,17 @@ class _Optimizer:
         return getattr(self.optimizer, name)
 
 
-def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype) -> Any:
+def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype, cast_inputs: bool = False) -> Any:
     """``forward`` run under autocast, its floating-point outputs returned as fp32 (so a loss outside it is
-    computed at full precision)."""
+    computed at full precision); with ``cast_inputs``, floating-point tensor arguments are cast to ``dtype``."""
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if cast_inputs:
+            args, kwargs = tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
         with torch.autocast(device_type=device_type, dtype=dtype):
             out = forward(*args, **kwargs)
         return _to_fp32(out)
