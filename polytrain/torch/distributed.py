@@ -76,7 +76,6 @@ class Distributed:
         launch(main, args, np)
 
     def _start(self, world: World | None) -> None:
-        _release_ended_groups()
         if self.spec.parallel.model_parallel:
             raise OwnLoopError(MODEL_PARALLEL)
         self.world = world or detect_world()
@@ -96,7 +95,7 @@ class Distributed:
         self._inside = False
         self._ended = False
         self.backend.setup()
-        atexit.register(self.end)
+        atexit.register(self._end_at_exit)
 
     # ------------------------------------------------------------------ who and where
     @property
@@ -249,21 +248,30 @@ class Distributed:
     # ------------------------------------------------------------------ lifetime
     def end(self) -> None:
         """Stop what this object started (process group, stores, wrappers); idempotent, also run at exit."""
+        self._end(meet=True)
+
+    def _end_at_exit(self) -> None:
+        self._end(meet=False)  # the script may be ending on an error, with the other ranks in a collective
+
+    def _end(self, meet: bool) -> None:
         if self._ended:
             return
         self._ended = True
-        atexit.unregister(self.end)  # the exit hook held this object (and its backend) for the life of the process
+        atexit.unregister(self._end_at_exit)  # the exit hook held this object (and its backend) for the process's life
         self._model = self._optimizer = None
-        group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        if meet and self.world.size > 1:
+            # Every rank past its last collective, with the GIL let go while it waits: gloo's workers finish
+            # freeing that collective's tensors (which needs the GIL) now. Otherwise the script's DDP model, the
+            # group's last holder once it is torn down, could free the group later with the GIL held, joining a
+            # worker that waits for the GIL: both ranks hung, ~1 run in 5 of two sessions in one process.
+            self.backend.barrier()
         self.backend.teardown()
-        if group is not None and not torch.distributed.is_initialized():
-            _ENDED_GROUPS.append(group)  # see _release_ended_groups
 
     def __enter__(self) -> Distributed:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.end()
+        self._end(meet=exc[0] is None)
 
     def _check_open(self, verb: str) -> None:
         if self._ended:
@@ -281,21 +289,6 @@ class Distributed:
         if self._scaler is None:
             return self.backend.optimizer_step(optimizer)
         return self.backend.scaled_optimizer_step(optimizer, self._scaler)
-
-
-#: process groups this module's `end` destroyed, held until the next `Distributed` starts or the process exits.
-#: The script's DDP model still holds its group when `end` returns; were that model the last holder, freeing it
-#: would join gloo's worker threads with the GIL held, while a worker that is finishing the last collective
-#: waits for the GIL to free that collective's tensors: both ranks hang (seen ~1 run in 5 on 2 ranks). A group
-#: freed from here goes through torch's Python object, whose destructor lets the GIL go first.
-_ENDED_GROUPS: list[Any] = []
-
-
-def _release_ended_groups() -> None:
-    _ENDED_GROUPS.clear()
-
-
-atexit.register(_release_ended_groups)
 
 
 class _Optimizer:
