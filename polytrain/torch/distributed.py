@@ -264,7 +264,11 @@ class Distributed:
             # freeing that collective's tensors (which needs the GIL) now. Otherwise the script's DDP model, the
             # group's last holder once it is torn down, could free the group later with the GIL held, joining a
             # worker that waits for the GIL: both ranks hung, ~1 run in 5 of two sessions in one process.
-            self.backend.barrier()
+            try:
+                self.backend.barrier()
+            finally:  # a barrier that fails (a rank gone) must not keep the group and its threads alive
+                self.backend.teardown()
+            return
         self.backend.teardown()
 
     def __enter__(self) -> Distributed:
