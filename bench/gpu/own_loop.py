@@ -1,6 +1,6 @@
 """The GPU check's own-loop section: a hand-written loop on `polytrain.torch.Distributed` on each backend.
 
-The loop is the one of ``tests/multiproc/own_loop_worker.py``: the digits MLP, SGD with momentum, 2
+The loop (`train_digits`, also run by ``tests/multiproc/own_loop_worker.py``): the digits MLP, SGD with momentum, 2
 micro-steps of accumulation, clipping that bites, 20 optimizer steps; each micro-step's global batch of 32
 is split over the ranks, so every world size sees the same samples per update. Each backend's fp32 losses
 are held to the same loop on the CPU (``local``, one process): every micro-step's loss within
@@ -29,12 +29,43 @@ def precisions(device: str) -> tuple[str, ...]:
     return ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
 
 
+def train_digits(dist: Any) -> tuple[Any, Any, list[float], list[float | None]]:
+    """The loop itself, on a started `Distributed`: the set-up model and optimizer, every micro-step's loss
+    (mean over the ranks) and each update's gradient norm before clipping (None where the backend clips inside
+    its step). Also run by tests/multiproc/own_loop_worker.py."""
+    import torch
+    from sklearn.datasets import load_digits
+    from torch import nn
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    torch.manual_seed(0 if dist.is_main else 1)  # setup gives every rank rank 0's weights
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = dist.setup(model, optimizer)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            start = (step * ACCUM + micro) * GLOBAL_BATCH % (len(x) - GLOBAL_BATCH)
+            rows = slice(start + dist.rank, start + GLOBAL_BATCH, dist.world_size)
+            xb, yb = x[rows].to(dist.device), y[rows].to(dist.device)
+            with dist.accumulate(model):
+                with dist.autocast():
+                    loss = nn.functional.cross_entropy(model(xb), yb)
+                dist.backward(loss)
+            losses.append(float(dist.all_reduce(loss.detach().float(), "mean")))
+        norm = dist.clip_grad_norm_(model, CLIP)
+        norms.append(None if norm is None else float(norm))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, losses, norms
+
+
 def loop_run(backend: str, precision: str, world: World, spec: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the loop once on ``backend`` (``spec``: the case's other fields, e.g. the ZeRO stage); every
     micro-step's loss (mean over ranks) and where state lives."""
     import torch
-    from sklearn.datasets import load_digits
-    from torch import nn
 
     from polytrain.torch import Distributed
 
@@ -43,27 +74,7 @@ def loop_run(backend: str, precision: str, world: World, spec: dict[str, Any] | 
         spec["loop"] = {"grad_clip_norm": CLIP}
     dist = Distributed(backend, precision=precision, grad_accum_steps=ACCUM, world=world, spec=spec)
     try:
-        bunch = load_digits()
-        x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
-        y = torch.tensor(bunch.target, dtype=torch.int64)
-        torch.manual_seed(0 if dist.is_main else 1)  # setup gives every rank rank 0's weights
-        model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model, optimizer = dist.setup(model, optimizer)
-        losses = []
-        for step in range(STEPS):
-            for micro in range(ACCUM):
-                start = (step * ACCUM + micro) * GLOBAL_BATCH % (len(x) - GLOBAL_BATCH)
-                rows = slice(start + dist.rank, start + GLOBAL_BATCH, dist.world_size)
-                xb, yb = x[rows].to(dist.device), y[rows].to(dist.device)
-                with dist.accumulate(model):
-                    with dist.autocast():
-                        loss = nn.functional.cross_entropy(model(xb), yb)
-                    dist.backward(loss)
-                losses.append(float(dist.all_reduce(loss.detach().float(), "mean")))
-            dist.clip_grad_norm_(model, CLIP)
-            optimizer.step()
-            optimizer.zero_grad()
+        model, optimizer, losses, _ = train_digits(dist)
         params = [getattr(p, "_local_tensor", p) for p in model.parameters()]
         inner = getattr(optimizer, "optimizer", optimizer)
         state = [v for slots in inner.state.values() for v in slots.values() if torch.is_tensor(v) and v.ndim]

@@ -1,4 +1,5 @@
-"""A hand-written training loop on `polytrain.torch.Distributed`, as a script would have it: the digits MLP,
+"""A hand-written training loop on `polytrain.torch.Distributed` (`bench.gpu.own_loop.train_digits`, the loop the
+GPU check runs too), as a script would have it: the digits MLP,
 SGD with momentum, 2 micro-steps of accumulation, clipping that bites, 20 optimizer steps. Each micro-step's
 global batch of 32 is split across the ranks (rank r takes every world-th sample), so any world size sees the
 same samples per update. Rank 0 writes every micro-step's loss (averaged over the ranks) and the final weights.
@@ -12,14 +13,12 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-import torch
-from sklearn.datasets import load_digits
-from torch import nn
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # bench/ is a folder of the repository, not installed
 
-from polytrain.torch import Distributed, OwnLoopError
-
-GLOBAL_BATCH, ACCUM, STEPS, CLIP = 32, 2, 20, 0.5
+from bench.gpu.own_loop import ACCUM, CLIP, train_digits  # noqa: E402
+from polytrain.torch import Distributed, OwnLoopError  # noqa: E402
 
 
 def train(backend: str, out: str, fail_rank: int = -1) -> None:
@@ -30,33 +29,13 @@ def train(backend: str, out: str, fail_rank: int = -1) -> None:
     dist = Distributed(backend, grad_accum_steps=ACCUM, spec=spec)
     if dist.rank == fail_rank:
         raise RuntimeError(f"rank {dist.rank} fails on purpose")
-    bunch = load_digits()
-    x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(bunch.target, dtype=torch.int64)
-    torch.manual_seed(0 if dist.is_main else 1)  # setup gives every rank rank 0's weights
-    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = dist.setup(model, optimizer)
+    model, _, losses, norms = train_digits(dist)
     refused = ""
     if dist.backend_name == "deepspeed":  # a norm other than the engine's is refused in one line
         try:
             dist.clip_grad_norm_(model, CLIP / 2)
         except OwnLoopError as exc:
             refused = str(exc)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(ACCUM):
-            start = (step * ACCUM + micro) * GLOBAL_BATCH % (len(x) - GLOBAL_BATCH)
-            rows = slice(start + dist.rank, start + GLOBAL_BATCH, dist.world_size)
-            xb, yb = x[rows].to(dist.device), y[rows].to(dist.device)
-            with dist.accumulate(model):
-                loss = nn.functional.cross_entropy(model(xb), yb)
-                dist.backward(loss)
-            losses.append(float(dist.all_reduce(loss.detach(), "mean")))
-        norm = dist.clip_grad_norm_(model, CLIP)
-        norms.append(None if norm is None else float(norm))
-        optimizer.step()
-        optimizer.zero_grad()
     state = dist.get_state_dict(model)
     if dist.is_main:
         with open(out, "w") as f:
