@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain import checkpoint as ckpt
+from polytrain import loop_checkpoints
 from polytrain.callbacks import RunHooks
 from polytrain.data.fingerprint import changes
 from polytrain.environments import restart_count
@@ -94,7 +95,10 @@ class RunCheckpoints:
             self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")
             return Position()
         manifest, tensors = settled(self.backend, size, lambda: ckpt.load_checkpoint(Path(path)))
-        if manifest.get("model_digest") != self.spec.model_digest():
+        if manifest.get("origin") == loop_checkpoints.ORIGIN:  # a hand-written loop's: it knows no spec
+            loop_checkpoints.check_names(Path(path), tensors["model"], self.framework.parameter_shapes(),
+                                         "spec's model", exact=False)
+        elif manifest.get("model_digest") != self.spec.model_digest():
             raise ckpt.CheckpointError(
                 f"--resume: {path} was written by a different model/data/seed (model digest "
                 f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()}); resume it with the "

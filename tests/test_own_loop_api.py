@@ -178,3 +178,63 @@ def test_precision_runs_the_forward_under_autocast_and_returns_fp32(precision: s
     assert seen == [torch.float32, torch.bfloat16 if low else torch.float32]
     assert out.dtype == torch.float32 and inside.dtype == (torch.bfloat16 if low else torch.float32)
     assert torch.equal(out, plain) != low  # bf16 rounding changed the numbers; fp32 is the same computation
+
+
+def test_save_and_load_carry_every_kind_of_state(tmp_path) -> None:
+    """One process: the model, the optimizer (momentum, and the lr a scheduler set), the scheduler, a tensor and
+    plain values go into a checkpoint and come back into new objects; loaders go on at the saved epoch."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = batch()
+    with Distributed("local") as dist:
+        model = net()
+        model, optimizer = dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5)
+        for _ in range(2):
+            dist.backward(torch.nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        saved = dist.save(tmp_path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2,
+                                     "epoch": 3, "ema": torch.arange(4.0), "note": {"best": 0.25, "tags": ["a"]}})
+        weights = {k: v.clone() for k, v in dist.get_state_dict(model).items()}
+        momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    assert saved == tmp_path / "step-00000002" and (tmp_path / "latest").read_text().strip() == "step-00000002"
+    with Distributed("local") as dist:
+        fresh = net()
+        fresh, opt = dist.setup(fresh, torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9))
+        sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+        ema = torch.zeros(4)
+        loader = dist.setup_dataloaders(DataLoader(TensorDataset(torch.arange(10)), batch_size=5, shuffle=True))
+        values = dist.load(tmp_path, {"model": fresh, "optimizer": opt, "scheduler": sched, "ema": ema})
+        assert values == {"note": {"best": 0.25, "tags": ["a"]}, "step": 2, "epoch": 3, "step_in_epoch": 0}
+        for name, value in dist.get_state_dict(fresh).items():
+            assert torch.equal(value, weights[name]), name
+        assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(fresh.parameters(), momentum))
+        assert opt.param_groups[0]["lr"] == 0.125 and sched.last_epoch == 2 and torch.equal(ema, torch.arange(4.0))
+        assert loader.epoch == 3
+
+
+def test_save_and_load_misuse_is_one_line(tmp_path) -> None:
+    from polytrain.checkpoint import CheckpointError
+
+    with Distributed("local") as dist:
+        model = net()
+        model, optimizer = dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(OwnLoopError, match=r"^save: 'model' is not the model setup\(\) returned; pass that one$"):
+            dist.save(tmp_path, {"model": net()})
+        with pytest.raises(CheckpointError, match=r"^save: 'fn' is a function; a checkpoint holds the model, "):
+            dist.save(tmp_path, {"model": model, "fn": lambda: 0})
+        with pytest.raises(CheckpointError, match=r"^save: 'step' must be a whole number ≥ 0 \(the optimizer steps "):
+            dist.save(tmp_path, {"model": model, "step": 1.5})
+        with pytest.raises(CheckpointError, match=r"^load: .*missing is not a directory; give a checkpoint"):
+            dist.load(tmp_path / "missing", {"model": model})
+        with pytest.raises(CheckpointError, match=r"^load: no complete checkpoint in "):
+            dist.load(tmp_path, {"model": model})
+        dist.save(tmp_path, {"model": model, "optimizer": optimizer, "step": 1})
+    with Distributed("local") as dist:
+        other = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        other, opt = dist.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+        with pytest.raises(CheckpointError, match=r"^load: .*step-00000001 holds 2.weight of shape \(3, 8\); the "
+                                                  r"model's is \(4, 8\)$"):
+            dist.load(tmp_path, {"model": other})

@@ -10,7 +10,7 @@ device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bench.gpu.arith import FAIL, INFO, PASS
@@ -29,10 +29,12 @@ def precisions(device: str) -> tuple[str, ...]:
     return ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
 
 
-def train_digits(dist: Any) -> tuple[Any, Any, list[float], list[float | None]]:
+def train_digits(dist: Any, last: int = STEPS,
+                 restore: Callable[[Any, Any], int] | None = None) -> tuple[Any, Any, list[float], list[float | None]]:
     """The loop itself, on a started `Distributed`: the set-up model and optimizer, every micro-step's loss
     (mean over the ranks) and each update's gradient norm before clipping (None where the backend clips inside
-    its step). Also run by tests/multiproc/own_loop_worker.py."""
+    its step). Also run by tests/multiproc/own_loop_worker.py, which stops it early (``last``: the update to
+    stop before) and resumes it (``restore(model, optimizer)`` loads a checkpoint and returns its step)."""
     import torch
     from sklearn.datasets import load_digits
     from torch import nn
@@ -44,8 +46,9 @@ def train_digits(dist: Any) -> tuple[Any, Any, list[float], list[float | None]]:
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = dist.setup(model, optimizer)
+    first = restore(model, optimizer) if restore is not None else 0
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(first, last):
         for micro in range(ACCUM):
             start = (step * ACCUM + micro) * GLOBAL_BATCH % (len(x) - GLOBAL_BATCH)
             rows = slice(start + dist.rank, start + GLOBAL_BATCH, dist.world_size)

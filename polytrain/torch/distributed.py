@@ -8,8 +8,8 @@ there is one; the returned optimizer steps through the backend's ``optimizer_ste
 window. Gradients are averaged over the ranks, as one process would average over the whole batch.
 
 DeepSpeed: the engine's own accumulation boundary (``no_sync``), backward and step; it clips inside its step at
-the spec's ``loop.grad_clip_norm``. Not yet here (issue 28 is open): tensor parallel (refused in one line),
-checkpoints in the Trainer's portable format, TensorFlow.
+the spec's ``loop.grad_clip_norm``. Checkpoints (`save`/`load`) are the Trainer's (`polytrain.torch.checkpoints`).
+Not yet here (issue 28 is open): tensor parallel (refused in one line).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from polytrain import registry, validation
+from polytrain import checkpoint, registry, validation
 from polytrain.environments import detect_world
 from polytrain.torch.errors import OwnLoopError
 from polytrain.torch.loaders import Loading, gather, sharded
@@ -94,6 +94,7 @@ class Distributed:
         self._unscaled = False
         self._inside = False
         self._ended = False
+        self._owner = checkpoint.Owner(checkpoint.new_run_id())  # whose checkpoints `save` may replace and prune
         self.backend.setup()
         atexit.register(self._end_at_exit)
 
@@ -245,6 +246,24 @@ class Distributed:
             print(*args, **kwargs)
             (kwargs.get("file") or sys.stdout).flush()
 
+    # ------------------------------------------------------------------ checkpoints (the Trainer's)
+    def save(self, path: str | Path, state: Mapping[str, Any], *, keep_last: int | None = None) -> Path:
+        """Write ``state`` (the set-up model and optimizer, ``step``, ``epoch``, tensors, plain values) as a
+        checkpoint under the root ``path``, in the Trainer's portable format (`polytrain.torch.checkpoints`); every
+        rank calls it. Returns the checkpoint's directory."""
+        self._needs_setup("save")
+        from polytrain.torch.checkpoints import save
+
+        return save(self, path, state, keep_last)
+
+    def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Put a checkpoint (a loop's or the Trainer's; a step directory or the root holding them) into
+        ``state``'s objects; returns its plain values with ``step`` and ``epoch``. Every rank calls it."""
+        self._needs_setup("load")
+        from polytrain.torch.checkpoints import load
+
+        return load(self, path, state)
+
     # ------------------------------------------------------------------ lifetime
     def end(self) -> None:
         """Stop what this object started (process group, stores, wrappers); idempotent, also run at exit."""
@@ -298,6 +317,8 @@ class Distributed:
 class _Optimizer:
     """The optimizer `setup` returns: ``step`` and ``zero_grad`` act once per accumulation window, through the
     backend; everything else is the optimizer's own."""
+
+    wraps_optimizer = True  # how `save`/`load` tell it from other objects holding an ``optimizer`` (schedulers)
 
     def __init__(self, owner: Distributed, optimizer: torch.optim.Optimizer) -> None:
         self._owner, self.optimizer = owner, optimizer

@@ -35,6 +35,7 @@ class Loading:
 
     def __init__(self) -> None:
         self.place: BatchPlace | None = None
+        self.loaders: list[EpochLoader] = []  # every loader made (a checkpoint's load sets their epoch)
 
 
 class EpochLoader:
@@ -75,9 +76,11 @@ def sharded(loader: Any, shard: Any, seed: int, loading: Loading) -> EpochLoader
     sampler = DistributedSampler(loader.dataset, num_replicas=shard.count, rank=shard.index,
                                  shuffle=isinstance(loader.sampler, RandomSampler), seed=seed,
                                  drop_last=loader.drop_last)
-    return EpochLoader(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+    made = EpochLoader(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
                                   num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                                   pin_memory=loader.pin_memory, drop_last=loader.drop_last), loading)
+    loading.loaders.append(made)
+    return made
 
 
 def kept_rows(place: BatchPlace | None, counts: list[int]) -> list[tuple[int, int]]:

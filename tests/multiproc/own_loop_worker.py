@@ -4,9 +4,11 @@ SGD with momentum, 2 micro-steps of accumulation, clipping that bites, 20 optimi
 global batch of 32 is split across the ranks (rank r takes every world-th sample), so any world size sees the
 same samples per update. Rank 0 writes every micro-step's loss (averaged over the ranks) and the final weights.
 
-Usage: python own_loop_worker.py BACKEND OUT.json [--launch NP [--fail-rank R]]
+Usage: python own_loop_worker.py BACKEND OUT.json [--launch NP [--fail-rank R]] [--stop K --save ROOT | --resume ROOT]
 (``--launch``: the script starts its NP processes itself through `Distributed.launch`, the ``mp.spawn`` case;
-``--fail-rank``: that rank raises before training, to see the others stopped and the failure named.)
+``--fail-rank``: that rank raises before training, to see the others stopped and the failure named;
+``--stop K --save ROOT``: stop before update K and save a checkpoint under ROOT; ``--resume ROOT``: load the
+newest checkpoint there and go on from its step to the end.)
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # bench/ is a folder of the repository, not installed
 
-from bench.gpu.own_loop import ACCUM, CLIP, train_digits  # noqa: E402
+from bench.gpu.own_loop import ACCUM, CLIP, STEPS, train_digits  # noqa: E402
 from polytrain.torch import Distributed, OwnLoopError  # noqa: E402
+
+
+def flag(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
 def train(backend: str, out: str, fail_rank: int = -1) -> None:
@@ -29,7 +35,12 @@ def train(backend: str, out: str, fail_rank: int = -1) -> None:
     dist = Distributed(backend, grad_accum_steps=ACCUM, spec=spec)
     if dist.rank == fail_rank:
         raise RuntimeError(f"rank {dist.rank} fails on purpose")
-    model, _, losses, norms = train_digits(dist)
+    stop, root, resume = int(flag("--stop") or STEPS), flag("--save"), flag("--resume")
+    restore = (lambda model, optimizer: dist.load(resume, {"model": model, "optimizer": optimizer})["step"]) \
+        if resume else None
+    model, optimizer, losses, norms = train_digits(dist, last=stop, restore=restore)
+    if root:
+        dist.save(root, {"model": model, "optimizer": optimizer, "step": stop})
     refused = ""
     if dist.backend_name == "deepspeed":  # a norm other than the engine's is refused in one line
         try:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, command, job_env, run
+from procs import check, command, job_env, read_metrics, run, train
+
+from polytrain.checkpoint import read_model
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -117,3 +119,72 @@ def test_launch_under_a_launcher_must_agree_with_its_world(tmp_path: Path) -> No
     assert done.returncode != 0
     assert "launch: np=3, but torchrun started 2 process(es)" in done.stderr
     assert not done.left_behind, done.left_behind
+
+
+SPLITS = {  # a loop stopped after 8 of its 20 updates on one backend and world size, resumed on another
+    "fsdp-2-to-local-1": (("fsdp", "torchrun", 2), ("local", "python", 1)),
+    "local-1-to-deepspeed-3-2": (("local", "python", 1), ("deepspeed-3", "torchrun", 2)),
+}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_a_loop_saved_on_one_backend_resumes_on_another(one_process: dict, tmp_path: Path, split: str) -> None:
+    """`dist.save` after update 8 (every rank calls it; FSDP and ZeRO-3 gather their shards), `dist.load` in a
+    new job of another backend and world size, the loop going on from the step it returns: every later
+    micro-step's loss and the final weights equal the run that never stopped (weights, momentum and the step
+    carried over exactly)."""
+    (first, launcher1, n1), (second, launcher2, n2) = SPLITS[split]
+    if "deepspeed" in split:
+        pytest.importorskip("deepspeed")
+    root = tmp_path / "checkpoints"
+    for backend, launcher, nproc, extra in ((first, launcher1, n1, ["--stop", "8", "--save", str(root)]),
+                                            (second, launcher2, n2, ["--resume", str(root)])):
+        done = check(run(command(launcher, [WORKER, backend, str(tmp_path / "out.json"), *extra], nproc),
+                         env=job_env({}), timeout=240))
+        assert not done.left_behind, done.left_behind
+    manifest = json.loads((root / "step-00000008" / "manifest.json").read_text())
+    assert (manifest["origin"], manifest["global_step"], manifest["world_size"]) == ("own-loop", 8, n1)
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["world"] == n2 and len(got["losses"]) == 24  # updates 8-19, 2 micro-steps each
+    np.testing.assert_allclose(got["losses"], one_process["losses"][16:], rtol=1e-5)
+    for name, values in one_process["weights"].items():
+        np.testing.assert_allclose(got["weights"][name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+TRAINER_LOOP = str(Path(__file__).resolve().parent / "loop_trainer_worker.py")
+DIGITS = ["model.params.hidden_sizes=[32]", "loop.epochs=4", "checkpoint.every_n_epochs=1", "checkpoint.keep_last=4",
+          "data.val_fraction=0.2"]
+
+
+def test_the_trainer_and_a_loop_resume_each_others_checkpoints(tmp_path: Path) -> None:
+    """The Trainer (one process, local) writes a checkpoint after each of 4 epochs; a loop on 2 ranks of fsdp
+    loads the one after epoch 2 (its weights are the Trainer's) and saves it again as its own; the Trainer
+    resumes from the loop's checkpoint (a new backend and world size each way) and ends on exactly the weights
+    of the run that never stopped: model, momentum, step and epoch all crossed over."""
+    straight = tmp_path / "straight"
+    check(train(straight, DIGITS))
+    trainer_ckpt = sorted((straight / "checkpoints").glob("step-*"))[1]  # the one after epoch 2
+    loop_root, out = tmp_path / "loop", tmp_path / "loop.json"
+    done = check(run(command("torchrun", [TRAINER_LOOP, "fsdp", str(trainer_ckpt), str(loop_root), str(out)], 2),
+                     env=job_env({}), timeout=240))
+    assert not done.left_behind, done.left_behind
+    got = json.loads(out.read_text())
+    step = int(trainer_ckpt.name.removeprefix("step-"))
+    assert (got["values"]["step"], got["values"]["epoch"], got["world"]) == (step, 2, 2)
+    stored, _ = read_model_dir(trainer_ckpt)
+    for name, values in stored.items():
+        np.testing.assert_array_equal(np.asarray(got["weights"][name], dtype=np.float32), values.flatten(), name)
+    resumed = tmp_path / "resumed"
+    check(train(resumed, DIGITS, resume=loop_root))
+    assert read_metrics(resumed, "resume")[0]["step"] == step
+    final, _ = read_model(straight)
+    again, _ = read_model(resumed)
+    for name, values in final.items():
+        np.testing.assert_allclose(again[name], values, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def read_model_dir(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+    from polytrain.checkpoint import load_checkpoint
+
+    manifest, tensors = load_checkpoint(path)
+    return tensors["model"], manifest
