@@ -2,7 +2,8 @@
 
 The loop (`train_digits`, also run by ``tests/multiproc/own_loop_worker.py``): the digits MLP, SGD with momentum, 2
 micro-steps of accumulation, clipping that bites, 20 optimizer steps; each micro-step's global batch of 32
-is split over the ranks, so every world size sees the same samples per update. Each backend's fp32 losses
+(17 in the last update: an uneven final batch) is split over the ranks, so every world size sees the same
+samples per update. Each backend's fp32 losses
 are held to the same loop on the CPU (``local``, one process): every micro-step's loss within
 ``LOSS_TOL``; bf16 and fp16 (CUDA only) within ``LOSS_TOL_LOW`` on average. Weights and momentum must sit on the
 device.
@@ -18,6 +19,8 @@ from bench.gpu.report import Row
 from polytrain.world import World
 
 GLOBAL_BATCH, ACCUM, STEPS, CLIP = 32, 2, 20, 0.5
+#: the last update's micro-batches: an epoch's short last batch, odd, so the ranks hold different numbers of samples
+UNEVEN = 17
 #: fp32 on the device against fp32 on the CPU (different kernels, same math): any micro-step's loss
 LOSS_TOL = 1e-4
 #: bf16/fp16 autocast against fp32 on the CPU: the mean absolute difference of the micro-steps' losses
@@ -49,13 +52,16 @@ def train_digits(dist: Any, last: int = STEPS,
     first = restore(model, optimizer) if restore is not None else 0
     losses, norms = [], []
     for step in range(first, last):
+        size = GLOBAL_BATCH if step < STEPS - 1 else UNEVEN  # the last update's batches: fewer, unevenly shared
         for micro in range(ACCUM):
             start = (step * ACCUM + micro) * GLOBAL_BATCH % (len(x) - GLOBAL_BATCH)
-            rows = slice(start + dist.rank, start + GLOBAL_BATCH, dist.world_size)
+            rows = slice(start + dist.rank, start + size, dist.world_size)
             xb, yb = x[rows].to(dist.device), y[rows].to(dist.device)
             with dist.accumulate(model):
-                with dist.autocast():
-                    loss = nn.functional.cross_entropy(model(xb), yb)
+                with dist.autocast():  # the global batch's mean: this rank's sum over all the step's samples, times
+                    # the world size, as the ranks' gradients are averaged (a mean per rank would weigh a rank's
+                    # samples more when it holds fewer)
+                    loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum") * dist.world_size / size
                 dist.backward(loss)
             losses.append(float(dist.all_reduce(loss.detach().float(), "mean")))
         norm = dist.clip_grad_norm_(model, CLIP)

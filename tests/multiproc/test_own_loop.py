@@ -1,7 +1,8 @@
 """A hand-written loop on `polytrain.torch.Distributed` (tests/multiproc/own_loop_worker.py) on 2 ranks under
 real launchers equals the same loop in one process: every micro-step's loss and the final weights, with
-accumulation and clipping, on ddp, fsdp and DeepSpeed ZeRO-2/3 under torchrun, mpi under mpirun and the Horovod
-shim under mpirun."""
+accumulation, clipping and an uneven final batch, on ddp, fsdp and DeepSpeed ZeRO-2/3 under torchrun, mpi under
+mpirun and the Horovod shim under mpirun. Checkpoints cross backends, world sizes and the Trainer; fp16 skips an
+overflowed update on every rank alike."""
 
 from __future__ import annotations
 
@@ -188,3 +189,34 @@ def read_model_dir(path: Path) -> tuple[dict[str, np.ndarray], dict]:
 
     manifest, tensors = load_checkpoint(path)
     return tensors["model"], manifest
+
+
+FP16 = str(Path(__file__).resolve().parent / "loop_fp16_worker.py")
+
+
+def fp16_run(tmp_path: Path, backend: str, launcher: str, nproc: int) -> dict:
+    env = JOBS.get(backend, ("python", {}))[1]
+    out = tmp_path / f"{backend}.json"
+    exports = [key for key, value in env.items() if value is not None]
+    done = check(run(command(launcher, [FP16, backend, str(out)], nproc, exports=exports), env=job_env(env),
+                     timeout=180))
+    assert not done.left_behind, done.left_behind
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def fp16_one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return fp16_run(tmp_path_factory.mktemp("fp16"), "local", "python", 1)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "horovod"])  # mpi takes no fp16
+def test_fp16_skips_the_overflowed_update_on_every_rank_alike(fp16_one_process: dict, tmp_path: Path,
+                                                             backend: str) -> None:
+    """An inf in one rank's loss of update 3: every rank skips that update (optimizer.step() returns False) and
+    halves its loss scale, as one process does with the inf in its batch; the other updates apply, and the
+    ranks end on the same finite weights."""
+    one, two = fp16_one_process, fp16_run(tmp_path, backend, JOBS[backend][0], 2)
+    assert one["applied"] == [True, True, False, True, True, True]  # only update 3 skipped
+    assert (two["world"], two["applied"], two["scales"]) == (2, one["applied"], one["scales"])
+    assert two["scales"][2] == two["scales"][1] / 2
+    assert two["same"] and two["finite"]
