@@ -45,7 +45,7 @@ from polytrain.run_checkpoints import RunCheckpoints
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
 from polytrain.trainer_state import LossWindow, Position, Steps, TrainResult
-from polytrain.watchdog import Activity, StallWatchdog
+from polytrain.watchdog import Activity, StallWatchdog, start_watchdog, who_was_lost
 from polytrain.world import World
 
 
@@ -121,7 +121,7 @@ class Trainer:
                 if not is_peer_failure(exc):
                     raise
                 raise TrainingFailure(
-                    f"rank {world.rank}: a collective failed during {self._activity.text}: {self._who_was_lost()} "
+                    f"rank {world.rank}: a collective failed during {self._activity.text}: {who_was_lost(self.watchdog)} "
                     f"({peer_failure_detail(exc)})") from exc
             final_state = self.checkpoints.save_model(result)
             self._write_timeline()
@@ -337,23 +337,10 @@ class Trainer:
         return objectives.reduce(dict(zip(names, map(tuple, reduced))), metrics)
 
     # ------------------------------------------------------------------ reliability
-    def _who_was_lost(self) -> str:
-        """Which ranks stopped responding (by their heartbeats), or the general cause when that is unknown."""
-        lost = self.watchdog.lost_ranks() if self.watchdog is not None else None
-        if lost:
-            return "; ".join(f"rank {rank} stopped responding (last seen in {text})" for rank, text in lost.items())
-        return "another rank died, stalled or lost its connection"
-
     def _start_watchdog(self) -> StallWatchdog | None:
-        if self.world.size == 1:
-            return None
         reliability = self.spec.reliability
-        try:
-            board = self.backend.progress_board()
-        except (RuntimeError, OSError):  # no side channel (e.g. its store unreachable): warn without naming ranks
-            board = None
-        return StallWatchdog(self.world.rank, self.world.size, self._activity, reliability.stall_warning_s,
-                             reliability.collective_timeout_s, board).start()
+        return start_watchdog(self.backend, self.world.rank, self.world.size, self._activity,
+                              reliability.stall_warning_s, reliability.collective_timeout_s)
 
     def _nonfinite(self, step: int) -> None:
         policy = self.spec.reliability.on_nonfinite

@@ -221,3 +221,24 @@ class StallWatchdog:
         with self._board_lock:
             peers = self.board.read(range(self.size)) if self.board is not None else None
         self.emit(stall_message(self.rank, text, waited, peers, seq, self.size, self.timeout_s))
+
+
+def start_watchdog(backend: Any, rank: int, size: int, activity: Activity, warn_after_s: float,
+                   timeout_s: float) -> StallWatchdog | None:
+    """The watchdog of a job of ``size`` ranks (None for one rank), on the backend's side channel when it has one
+    (without one it still warns, naming no ranks). The Trainer and the own-loop APIs start theirs here."""
+    if size == 1:
+        return None
+    try:
+        board = backend.progress_board()
+    except (RuntimeError, OSError):  # no side channel (e.g. its store unreachable): warn without naming ranks
+        board = None
+    return StallWatchdog(rank, size, activity, warn_after_s, timeout_s, board).start()
+
+
+def who_was_lost(watchdog: StallWatchdog | None) -> str:
+    """After a collective failed: which ranks stopped responding (by their heartbeats), or the general cause."""
+    lost = watchdog.lost_ranks() if watchdog is not None else None
+    if lost:
+        return "; ".join(f"rank {rank} stopped responding (last seen in {text})" for rank, text in lost.items())
+    return "another rank died, stalled or lost its connection"

@@ -79,10 +79,35 @@ def test_misuse_is_one_line() -> None:
         dist.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(UserError, match=r"^backend: 'tf-multiworker' is not available for framework 'torch'"):
         Distributed("tf-multiworker")  # a backend the framework lacks
-    with pytest.raises(OwnLoopError, match=r"^parallel: tensor and pipeline parallel are not in the own-loop API"):
-        Distributed("ddp", spec={"parallel": {"tensor": 2}})
+    for asked in ({"parallel": {"pipeline": 2}}, {"spec": {"parallel": {"pipeline": 2, "tensor": 2}}}):
+        with pytest.raises(OwnLoopError, match=r"^parallel.pipeline: pipeline parallel needs a schedule .* stays with "
+                                               r"the Trainer; use polytrain.fit or a spec"):
+            Distributed("ddp", **asked)
+    with pytest.raises(UserError, match=r"^parallel.tensor: combines with backend ddp or fsdp .*, not 'horovod'$"):
+        Distributed("horovod", parallel={"tensor": 2})
+    with pytest.raises(UserError, match=r"^parallel: tensor 2 × pipeline 1 = 2 does not divide the world size 1"):
+        Distributed("ddp", parallel={"tensor": 2})
     with pytest.raises(UserError, match=r"^precision: "):
         Distributed("local", precision="fp8")
+
+
+def test_tensor_parallel_fields_become_the_specs() -> None:
+    """``parallel=`` merges into the spec's table; a plan given as a function is kept aside and the spec names
+    it ``fit:<name>``, as the model (the one setup will get); an import path stays a spec field."""
+    from polytrain import validation
+    from polytrain.torch.layouts import loop_fields
+
+    def my_plan(model: torch.nn.Module, mesh: object) -> dict:
+        return {}
+
+    raw, live = loop_fields({"backend": "fsdp", "parallel": {"data": "auto"}}, {"tensor": 2, "tensor_plan": my_plan})
+    assert live is my_plan
+    assert raw["parallel"] == {"data": "auto", "tensor": 2, "tensor_plan": "fit:my_plan"}
+    assert raw["model"] == {"name": "fit:setup"}
+    assert validation.from_dict(raw).parallel.tensor_plan == "fit:my_plan"  # the zoo-model checks do not apply
+    raw, live = loop_fields({"parallel": {"tensor": 2, "tensor_plan": "pkg.mod:plan"}, "model": {"name": "mlp"}}, None)
+    assert live is None and raw["parallel"]["tensor_plan"] == "pkg.mod:plan" and raw["model"] == {"name": "mlp"}
+    assert loop_fields({"backend": "ddp"}, None) == ({"backend": "ddp"}, None)  # nothing asked, nothing added
 
 
 def test_setup_dataloaders_reads_each_sample_once_per_epoch_in_a_new_order_each_epoch() -> None:

@@ -9,14 +9,17 @@ window. Gradients are averaged over the ranks, as one process would average over
 
 DeepSpeed: the engine's own accumulation boundary (``no_sync``), backward and step; it clips inside its step at
 the spec's ``loop.grad_clip_norm``. Checkpoints (`save`/`load`) are the Trainer's (`polytrain.torch.checkpoints`).
-Not yet here (issue 28 is open): tensor parallel (refused in one line).
+
+Tensor parallel (``parallel={"tensor": T}``, ``ddp`` or ``fsdp`` the data dimension): the Trainer's layout backend
+splits the model in ``setup`` (`polytrain.torch.layouts`); the ranks of a tensor group read the same shard, and
+`gather_for_metrics` takes each shard's rows once (`all_reduce` is over every rank: a mean is the shards' mean).
+Pipeline parallel stays with the Trainer (refused in one line).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -28,39 +31,47 @@ from torch import nn
 
 from polytrain import checkpoint, registry, validation
 from polytrain.environments import detect_world
+from polytrain.loop_watch import LoopWatch
 from polytrain.torch.errors import OwnLoopError
 from polytrain.torch.loaders import Loading, gather, sharded
+from polytrain.torch.precision import autocast_forward
 from polytrain.world import World
 
 #: backends whose own hooks a hand-written loop can drive as it is (the others come with issue 28)
 SUPPORTED = ("local", "ddp", "fsdp", "deepspeed", "horovod", "mpi")
 REDUCE_OPS = ("sum", "mean", "max", "min")
-MODEL_PARALLEL = "parallel: tensor and pipeline parallel are not in the own-loop API yet; use polytrain.fit or a spec"
 
 
 class Distributed:
     """One process's place in a distributed job, for a loop the user writes.
 
     ``backend``: a torch backend name or ``"auto"``; ``precision``: ``fp32``/``bf16``/``fp16``;
-    ``grad_accum_steps``: micro-steps per optimizer step (``accumulate``); ``spec``: other spec fields as a
-    dict (``reliability``, ``fsdp``, ...); ``world``: the World (default: what the launcher says).
+    ``grad_accum_steps``: micro-steps per optimizer step (``accumulate``); ``parallel``: the spec's ``parallel``
+    fields, e.g. ``{"tensor": 2, "tensor_plan": fn}`` (`polytrain.torch.layouts`); ``spec``: other spec fields as
+    a dict (``reliability``, ``fsdp``, ...); ``world``: the World (default: what the launcher says).
     """
 
     def __init__(self, backend: str = "auto", *, precision: str = "fp32", grad_accum_steps: int = 1, seed: int = 0,
-                 spec: Mapping[str, Any] | None = None, world: World | None = None) -> None:
+                 parallel: Mapping[str, Any] | None = None, spec: Mapping[str, Any] | None = None,
+                 world: World | None = None) -> None:
+        from polytrain.torch.layouts import loop_fields
+
         raw = {**dict(spec or {}), "framework": "torch", "backend": backend, "precision": precision, "seed": seed}
         raw["loop"] = {**dict(raw.get("loop") or {}), "grad_accum_steps": grad_accum_steps}
-        parallel = raw.get("parallel") or {}
-        if any((parallel.get(dim) or 1) > 1 for dim in ("tensor", "pipeline")):  # before the spec's model checks
-            raise OwnLoopError(MODEL_PARALLEL)
+        raw, plan = loop_fields(raw, parallel)  # pipeline refused before the spec's model checks
         self.spec = validation.from_dict(raw)
         self._start(world)
+        if plan is not None:
+            self.backend.tensor_plan = plan  # the layout's, used when setup splits the model
 
     @classmethod
     def from_spec(cls, path: str | Path, world: World | None = None) -> Distributed:
         """The backend, precision, accumulation and options of a spec file (the fields the Trainer reads)."""
+        from polytrain.spec_files import load_raw
+        from polytrain.torch.layouts import loop_fields
+
         self = cls.__new__(cls)
-        self.spec = validation.load(path)
+        self.spec = validation.from_dict(loop_fields(load_raw(path), None)[0])
         if self.spec.framework != "torch":
             raise OwnLoopError(f"framework: {self.spec.framework!r} in {path}; polytrain.torch runs torch specs")
         self._start(world)
@@ -76,13 +87,15 @@ class Distributed:
         launch(main, args, np)
 
     def _start(self, world: World | None) -> None:
-        if self.spec.parallel.model_parallel:
-            raise OwnLoopError(MODEL_PARALLEL)
+        from polytrain.torch.layouts import check_loop_layout
+
+        check_loop_layout(self.spec)
         self.world = world or detect_world()
         name = registry.resolve_backend_name(self.spec, self.world)
         if name not in SUPPORTED:
             raise OwnLoopError(f"backend: {name!r} is not in the own-loop API yet (it takes {', '.join(SUPPORTED)})")
-        self.backend = registry.create_backend(self.spec, self.world)
+        self._watch = LoopWatch(self.world.rank, self.world.size)  # stall warnings, the lost rank named
+        self.backend = registry.create_backend(self.spec, self.world, activity=self._watch.activity)
         self.accum = self.spec.loop.grad_accum_steps
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision)
         self._model: nn.Module | None = None
@@ -95,8 +108,11 @@ class Distributed:
         self._inside = False
         self._ended = False
         self._owner = checkpoint.Owner(checkpoint.new_run_id())  # whose checkpoints `save` may replace and prune
+        self._updates = 0  # optimizer steps taken (the activity's step numbers count from 1)
         self.backend.setup()
         atexit.register(self._end_at_exit)
+        reliability = self.spec.reliability
+        self._watch.start(self.backend, reliability.stall_warning_s, reliability.collective_timeout_s)
 
     # ------------------------------------------------------------------ who and where
     @property
@@ -139,10 +155,12 @@ class Distributed:
         wrapped, inner = self.backend.wrap(model, optimizer)
         if self._autocast_dtype is not None:  # as Fabric and Accelerate do: the forward in the precision asked for
             # DeepSpeed's engine keeps bf16/fp16 weights and turns CUDA autocast off inside: cast float inputs too
-            wrapped.forward = _autocast_forward(wrapped.forward, self.device.type, self._autocast_dtype,
+            wrapped.forward = autocast_forward(wrapped.forward, self.device.type, self._autocast_dtype,
                                                 cast_inputs=self.backend.name == "deepspeed")
         self._model, self._optimizer = wrapped, inner
         self._scaler = self.backend.grad_scaler()
+        if self.spec.parallel.model_parallel:  # a tensor group draws the same dropout masks, as in the Trainer
+            torch.manual_seed(self.spec.seed + self.backend.data_shard.index)
         return wrapped, _Optimizer(self, inner)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -171,8 +189,9 @@ class Distributed:
         self._sync = self._micro % self.accum == 0
         self._inside = True
         try:
-            with contextlib.nullcontext() if self._sync else self.backend.no_sync(model):
-                yield
+            with self._watch.during("forward/backward", self._updates + 1):
+                with contextlib.nullcontext() if self._sync else self.backend.no_sync(model):
+                    yield
         finally:
             self._inside = False
 
@@ -191,7 +210,8 @@ class Distributed:
             loss = loss / self.accum
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
-        self.backend.backward(loss)
+        with self._watch.during("backward", self._updates + 1):
+            self.backend.backward(loss)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float | None:
         """Clip the averaged (and, for fp16, unscaled) gradients; the total norm before clipping. Call it where
@@ -206,10 +226,11 @@ class Distributed:
             return None
         if not self._sync:
             return None
-        if self._scaler is not None and not self._unscaled:
-            self._scaler.unscale_(self._optimizer)
-            self._unscaled = True
-        return self.backend.clip_grad_norm(model, max_norm)
+        with self._watch.during("gradient clipping", self._updates + 1):  # unscaling and a sharded norm: collectives
+            if self._scaler is not None and not self._unscaled:
+                self._scaler.unscale_(self._optimizer)
+                self._unscaled = True
+            return self.backend.clip_grad_norm(model, max_norm)
 
     # ------------------------------------------------------------------ data
     def setup_dataloaders(self, *loaders: torch.utils.data.DataLoader) -> Any:
@@ -224,7 +245,8 @@ class Distributed:
         the copies its sampler added to even out the ranks' shares are dropped, so a metric computed on the
         result equals the one-process value for any set size, batch size and world size."""
         self._check_open("gather_for_metrics")
-        return gather(data, self.backend, self.world, self._loading.place)
+        with self._watch.during("gather_for_metrics"):
+            return gather(data, self.backend, self.world, self._loading.place)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -232,13 +254,15 @@ class Distributed:
         if op not in REDUCE_OPS:
             raise OwnLoopError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         values = tensor.detach().double().cpu().numpy()
-        reduced = self.backend.all_reduce(values, "sum" if op == "mean" else op)
+        with self._watch.during("all_reduce"):
+            reduced = self.backend.all_reduce(values, "sum" if op == "mean" else op)
         if op == "mean":
             reduced = np.asarray(reduced) / self.world.size
         return torch.as_tensor(np.asarray(reduced)).to(tensor.device, tensor.dtype)
 
     def barrier(self) -> None:
-        self.backend.barrier()
+        with self._watch.during("barrier"):
+            self.backend.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""
@@ -254,7 +278,8 @@ class Distributed:
         self._needs_setup("save")
         from polytrain.torch.checkpoints import save
 
-        return save(self, path, state, keep_last)
+        with self._watch.during("the checkpoint save"):
+            return save(self, path, state, keep_last)
 
     def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
         """Put a checkpoint (a loop's or the Trainer's; a step directory or the root holding them) into
@@ -262,7 +287,8 @@ class Distributed:
         self._needs_setup("load")
         from polytrain.torch.checkpoints import load
 
-        return load(self, path, state)
+        with self._watch.during("the checkpoint load"):
+            return load(self, path, state)
 
     # ------------------------------------------------------------------ lifetime
     def end(self) -> None:
@@ -278,6 +304,7 @@ class Distributed:
         self._ended = True
         atexit.unregister(self._end_at_exit)  # the exit hook held this object (and its backend) for the process's life
         self._model = self._optimizer = None
+        self._watch.close()
         if meet and self.world.size > 1:
             # Every rank past its last collective, with the GIL let go while it waits: gloo's workers finish
             # freeing that collective's tensors (which needs the GIL) now. Otherwise the script's DDP model, the
@@ -309,9 +336,12 @@ class Distributed:
         if not self._sync:
             return None
         self._unscaled = False
-        if self._scaler is None:
-            return self.backend.optimizer_step(optimizer)
-        return self.backend.scaled_optimizer_step(optimizer, self._scaler)
+        self._updates += 1
+        with self._watch.during("the optimizer step", self._updates):
+            applied = self.backend.optimizer_step(optimizer) if self._scaler is None else \
+                self.backend.scaled_optimizer_step(optimizer, self._scaler)
+        self._watch.activity.set(f"the script's own code after step {self._updates}")
+        return applied
 
 
 class _Optimizer:
@@ -335,31 +365,3 @@ class _Optimizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
-
-
-def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype, cast_inputs: bool = False) -> Any:
-    """``forward`` run under autocast, its floating-point outputs returned as fp32 (so a loss outside it is
-    computed at full precision); with ``cast_inputs``, floating-point tensor arguments are cast to ``dtype``."""
-
-    def cast(value: Any) -> Any:
-        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
-
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if cast_inputs:
-            args, kwargs = tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            out = forward(*args, **kwargs)
-        return _to_fp32(out)
-
-    return run
-
-
-def _to_fp32(out: Any) -> Any:
-    if torch.is_tensor(out):
-        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
-    if type(out) is dict:
-        return {k: _to_fp32(v) for k, v in out.items()}
-    if type(out) in (list, tuple):
-        return type(out)(_to_fp32(v) for v in out)
-    return out  # other containers as they are

@@ -84,8 +84,9 @@ def sharded(loader: Any, shard: Any, seed: int, loading: Loading) -> EpochLoader
 
 
 def kept_rows(place: BatchPlace | None, counts: list[int]) -> list[tuple[int, int]]:
-    """(rank, row) of every row to keep, in the order's places, given each rank's rows in this batch. Without a
-    place (a gather outside a sharded loader's loop): every row, rank by rank."""
+    """(shard, row) of every row to keep, in the order's places, given each data shard's rows in this batch (a
+    shard is a rank's on data-parallel backends). Without a place (a gather outside a sharded loader's loop):
+    every row, shard by shard."""
     if place is None:
         return [(rank, row) for rank, count in enumerate(counts) for row in range(count)]
     return [(rank, row) for row in range(max(counts, default=0)) for rank in range(place.world)
@@ -93,12 +94,13 @@ def kept_rows(place: BatchPlace | None, counts: list[int]) -> list[tuple[int, in
 
 
 def gather(data: Any, backend: Any, world: Any, place: BatchPlace | None) -> Any:
-    """`Distributed.gather_for_metrics`: every tensor of ``data`` gathered over the ranks through the backend's
-    all-reduce (each rank fills its own slot of a zeroed buffer), the copies dropped (`kept_rows`)."""
+    """`Distributed.gather_for_metrics`: every tensor of ``data`` gathered over the data shards through the
+    backend's all-reduce (the rank that reports for each shard fills that shard's slot of a zeroed buffer: the
+    ranks of a tensor group hold the same rows, taken once), the copies dropped (`kept_rows`)."""
     if world.size == 1:
         return data
     if torch.is_tensor(data):
-        return _gather_one(data, backend, place, world.rank, world.size)
+        return _gather_one(data, backend, place, backend.data_shard)
     if type(data) in (tuple, list):
         return type(data)(gather(item, backend, world, place) for item in data)
     if type(data) is dict:
@@ -107,13 +109,15 @@ def gather(data: Any, backend: Any, world: Any, place: BatchPlace | None) -> Any
                        f"{type(data).__name__}")
 
 
-def _gather_one(tensor: torch.Tensor, backend: Any, place: BatchPlace | None, rank: int, world: int) -> torch.Tensor:
+def _gather_one(tensor: torch.Tensor, backend: Any, place: BatchPlace | None, shard: Any) -> torch.Tensor:
     local = tensor.detach().reshape(tensor.shape[0] if tensor.ndim else 1, -1).double().cpu().numpy()
-    counts = np.zeros(world)
-    counts[rank] = local.shape[0]
+    counts = np.zeros(shard.count)
+    if shard.reports:
+        counts[shard.index] = local.shape[0]
     counts = np.asarray(backend.all_reduce(counts, "sum")).astype(int).tolist()
-    buffer = np.zeros((world, max(counts), local.shape[1]))
-    buffer[rank, :local.shape[0]] = local
+    buffer = np.zeros((shard.count, max(counts), local.shape[1]))
+    if shard.reports:
+        buffer[shard.index, :local.shape[0]] = local
     buffer = np.asarray(backend.all_reduce(buffer, "sum"))
     rows = kept_rows(place, counts)
     picked = np.stack([buffer[r, i] for r, i in rows]) if rows else np.zeros((0, local.shape[1]))

@@ -43,6 +43,8 @@ from polytrain.world import World
 class ParallelBackend(TorchBackend):
     traces_collectives = True  # DTensor, the pipeline and FSDP issue them: the timeline records each
     alters_module = True  # DTensor plans and the pipeline cut remake the module
+    #: a live ``parallel.tensor_plan`` function (the own-loop API's), used in place of importing the spec's name
+    tensor_plan: Any = None
 
     def __init__(self, spec: TrainSpec, world: World, data: DataDimension, *, timeline: Timeline = NULL,
                  activity: Activity | None = None) -> None:
@@ -85,9 +87,10 @@ class ParallelBackend(TorchBackend):
 
     # ---------------------------------------------------------------- building the layout
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from polytrain.adapters.torch.framework import make_optimizer
-
+        """Split ``model`` in place (see the module's docstring); ``optimizer`` (its class and its groups'
+        settings) rebuilt over this rank's parameters as they are now, its state empty."""
         parallel = self.spec.parallel
+        names = {id(p): n for n, p in model.named_parameters()}
         self.order = list(model.state_dict().keys())
         self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         example = None
@@ -98,7 +101,7 @@ class ParallelBackend(TorchBackend):
         if parallel.tensor > 1:
             from polytrain.adapters.torch.parallel.tensor import apply_tensor_parallel
 
-            self.head_major = apply_tensor_parallel(self.spec, model, self.mesh["tp"])
+            self.head_major = apply_tensor_parallel(self.spec, model, self.mesh["tp"], self.tensor_plan)
         stages: list[nn.Module] = [model]
         if parallel.pipeline > 1:
             from polytrain.adapters.torch.parallel.pipeline import cut
@@ -112,7 +115,7 @@ class ParallelBackend(TorchBackend):
                                            self.pp_group, self.timeline)
         self._stages, self._model = stages, model
         self.data.wrap(stages, self.spec, self.device, self.mesh)
-        return model, make_optimizer(self.spec.optimizer, model.parameters())
+        return model, _rebuilt_optimizer(optimizer, names, model)
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
         """Each of this rank's blocks (torchtitan's per-block compile): the tensor-parallel collectives and
@@ -203,6 +206,17 @@ class ParallelBackend(TorchBackend):
         # another stage's parameters are another rank's
         load_optimizer_state_dcp(model, optimizer, from_portable(state, self.head_major), self.device,
                                  elsewhere=self.shapes)
+
+
+def _rebuilt_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                       model: nn.Module) -> torch.optim.Optimizer:
+    """`backend.rebuilt_optimizer` for a layout: the parameters another pipeline stage holds (gone from this
+    rank's pruned model) are left out of their groups; every group stays, so group indices keep their meaning."""
+    now = dict(model.named_parameters())
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [now[names[id(p)]] for p in group["params"] if names.get(id(p)) in now]}
+              for group in optimizer.param_groups]
+    return type(optimizer)(groups)
 
 
 def ddp_layout(spec: TrainSpec, world: World, *, timeline: Timeline = NULL,

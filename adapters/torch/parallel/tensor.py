@@ -14,12 +14,13 @@ head (``head_major``) so each rank's slice holds whole heads; checkpoints and ex
 into the portable order (`to_portable` / `from_portable`), so nothing outside this module sees the change.
 
 A user model gives ``parallel.tensor_plan: package.module:function``, called as ``function(model, tp_mesh)``
-and returning the ``{submodule name: ParallelStyle}`` plan for ``parallelize_module``.
+and returning the ``{submodule name: ParallelStyle}`` plan for ``parallelize_module``; the own-loop API may
+pass such a function itself (``plan_function``; the spec then names it ``fit:<name>``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -83,26 +84,28 @@ def _transformer_plan(model: nn.Module, degree: int) -> tuple[dict[str, Any], di
     return plan, head_major
 
 
-def _user_plan(target: str, model: nn.Module, mesh: Any) -> dict[str, Any]:
+def _user_plan(target: str, model: nn.Module, mesh: Any, function: Callable[..., Any] | None) -> dict[str, Any]:
     from polytrain.user_code import load_callable
 
-    plan = load_callable(target, "parallel.tensor_plan")(model, mesh)
+    plan = (function or load_callable(target, "parallel.tensor_plan"))(model, mesh)
     if not isinstance(plan, Mapping):
         raise SpecError(f"parallel.tensor_plan: {target} returned {type(plan).__name__}, expected a dict of "
                         "{submodule name: ParallelStyle}")
     return dict(plan)
 
 
-def apply_tensor_parallel(spec: TrainSpec, model: nn.Module, mesh: Any) -> dict[str, int]:
-    """Split ``model`` in place over the 1-D ``mesh`` (the tp dimension). Returns the parameters kept in the
-    head-major order (name → heads), for `to_portable`."""
+def apply_tensor_parallel(spec: TrainSpec, model: nn.Module, mesh: Any,
+                          plan_function: Callable[..., Any] | None = None) -> dict[str, int]:
+    """Split ``model`` in place over the 1-D ``mesh`` (the tp dimension), by the spec's ``tensor_plan`` (or
+    ``plan_function``, a live one named by it), else the zoo transformer's own plan. Returns the parameters
+    kept in the head-major order (name → heads), for `to_portable`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from polytrain.adapters.torch.transformer import TransformerLM
 
     degree = spec.parallel.tensor
     if spec.parallel.tensor_plan is not None:
-        plan, head_major = _user_plan(spec.parallel.tensor_plan, model, mesh), {}
+        plan, head_major = _user_plan(spec.parallel.tensor_plan, model, mesh, plan_function), {}
     elif isinstance(model, TransformerLM):
         plan, head_major = _transformer_plan(model, degree)
     else:
