@@ -32,6 +32,15 @@ class RendezvousError(UserError):
     """The ranks could not meet: master unreachable, its port taken, fewer ranks than the world size."""
 
 
+class OwnLoopError(UserError):
+    """The own-loop API (`polytrain.torch`, `polytrain.tensorflow`) used out of order or with what it cannot
+    take; the message is one line."""
+
+    #: TensorFlow's AutoGraph passes an error with this attribute through as it is, instead of raising it again with
+    #: the traced code's frames folded into its message: raised inside a ``tf.function`` it stays one line
+    ag_pass_through = True
+
+
 class TrainingFailure(Exception):
     """Training cannot go on (diverged, replicas drifted apart, ranks disagree): one line, exit code 1."""
 

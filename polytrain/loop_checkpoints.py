@@ -132,7 +132,7 @@ def check_names(path: Path, stored: Mapping[str, Any], expected: Mapping[str, tu
         if extra:
             parts.append(f"holds {_few(extra)}, which the {what} does not have")
         raise ckpt.CheckpointError(f"load: {path} does not fit the {what}: it {' and '.join(parts)} (the names are "
-                                   f"the model's state_dict keys; build the same model)")
+                                   f"the portable ones of docs/portable-state.md; build the same model)")
     for name, shape in expected.items():
         have = tuple(np.shape(stored[name]))
         if have != tuple(shape):

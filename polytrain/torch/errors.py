@@ -1,9 +1,8 @@
-"""The own-loop API's error (a `UserError`: one line, exit code 2 from the CLI)."""
+"""The own-loop API's error (a `UserError`: one line, exit code 2 from the CLI), shared with
+`polytrain.tensorflow`: it lives in `polytrain.errors`, which imports no framework."""
 
 from __future__ import annotations
 
-from polytrain.errors import UserError
+from polytrain.errors import OwnLoopError
 
-
-class OwnLoopError(UserError):
-    """The own-loop API used out of order or with what it cannot take; the message is one line."""
+__all__ = ["OwnLoopError"]
