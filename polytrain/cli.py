@@ -1,4 +1,4 @@
-"""The ``polytrain`` command: ``train``, ``launch``, ``info``.
+"""The ``polytrain`` command: ``train``, ``launch``, ``compare``, ``info``.
 
 Bad input ends with one line on stderr naming the field or flag, and exit code 2;
 ``--debug`` shows the traceback instead.
@@ -136,6 +136,12 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from polytrain.compare import compare_from_args
+
+    return compare_from_args(args)
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -212,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, launchers and which backends are usable here")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
+
+    compare = sub.add_parser("compare", help="the same spec or loop script on several backends: one table of the "
+                                             "loss and weight differences and step times")
+    from polytrain.compare import add_compare_arguments
+
+    add_compare_arguments(compare)
+    compare.set_defaults(func=_cmd_compare)
     for choices in (sub, actions):  # a missing command then lists the allowed ones, not argparse's dest name
         choices.metavar = "{" + ",".join(choices.choices) + "}"
     return parser
