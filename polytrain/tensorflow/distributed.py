@@ -11,8 +11,6 @@ under ``MultiWorkerMirroredStrategy``), so the model stays an ordinary Keras mod
 
 from __future__ import annotations
 
-import atexit
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,17 +22,17 @@ import tensorflow as tf
 from polytrain import checkpoint, registry, validation
 from polytrain.environments import detect_world
 from polytrain.errors import BackendUnavailableError, OwnLoopError
+from polytrain.loop_session import LoopSession
 from polytrain.tensorflow.averaging import Averager, DistributedOptimizer
 from polytrain.tensorflow.data import shard
 from polytrain.world import World
 
 #: the TensorFlow backends a hand-written loop runs on (all of the Trainer's)
 SUPPORTED = ("local", "mpi", "horovod", "tf-multiworker")
-REDUCE_OPS = ("sum", "mean", "max", "min")
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-class Distributed:
+class Distributed(LoopSession):
     """One process's place in a distributed TensorFlow job, for a loop (or a ``model.fit``) the user writes.
 
     ``backend``: a TensorFlow backend name or ``"auto"``; ``precision``: ``fp32`` or ``bf16`` (Keras'
@@ -84,29 +82,13 @@ class Distributed:
         self._policy = keras.config.dtype_policy()  # put back by `end`
         if self.spec.precision == "bf16":
             keras.config.set_dtype_policy("mixed_bfloat16")
-        atexit.register(self._end_at_exit)
+        self._hold()
 
     # ------------------------------------------------------------------ who and where
-    @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.world.size
-
-    @property
-    def is_main(self) -> bool:
-        return self.world.rank == 0
-
     @property
     def device(self) -> str:
         """Where this rank computes (``/GPU:0``, its one visible GPU, or ``/CPU:0``), for ``tf.device``."""
         return self.backend.device
-
-    @property
-    def backend_name(self) -> str:
-        return self.backend.name
 
     # ------------------------------------------------------------------ model and optimizer
     def setup(self, model: keras.Model, optimizer: keras.optimizers.Optimizer) -> tuple[keras.Model,
@@ -180,26 +162,15 @@ class Distributed:
         """``value`` (a tensor, array or number) reduced over the ranks (sum, mean, max, min): a new tensor of its
         dtype. Eagerly, on every rank."""
         self._check_open("all_reduce")
-        if op not in REDUCE_OPS:
-            raise OwnLoopError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         self._eager("all_reduce")
         tensor = tf.convert_to_tensor(value)
-        reduced = np.asarray(self.backend.all_reduce(np.asarray(tensor.numpy(), dtype=np.float64),
-                                                     "sum" if op == "mean" else op))
-        if op == "mean":
-            reduced = reduced / self.world.size
+        reduced = self._reduce(np.asarray(tensor.numpy(), dtype=np.float64), op)
         return tf.constant(reduced.reshape(tensor.shape).astype(tensor.dtype.as_numpy_dtype))
 
     def barrier(self) -> None:
         """Wait until every rank is here."""
         self._check_open("barrier")
         self.backend.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only."""
-        if self.is_main:
-            print(*args, **kwargs)
-            (kwargs.get("file") or sys.stdout).flush()
 
     # ------------------------------------------------------------------ checkpoints (the Trainer's)
     def save(self, path: str | Path, state: Mapping[str, Any], *, keep_last: int | None = None) -> Path:
@@ -222,35 +193,9 @@ class Distributed:
         return load(self, path, state)
 
     # ------------------------------------------------------------------ lifetime
-    def end(self) -> None:
-        """Stop what this object started (the backend's collectives); idempotent, also run at exit."""
-        self._end(meet=True)
-
-    def _end_at_exit(self) -> None:
-        self._end(meet=False)  # the script may be ending on an error, with the other ranks in a collective
-
-    def _end(self, meet: bool) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        atexit.unregister(self._end_at_exit)  # the exit hook held this object (and its backend) for the process's life
+    def _release(self) -> None:
         self._model = self._optimizer = None
         keras.config.set_dtype_policy(self._policy)
-        try:
-            if meet and self.world.size > 1:
-                self.backend.barrier()  # every rank past its last collective before any tears down
-        finally:  # a barrier that fails (a rank gone) must not keep the backend's collectives alive
-            self.backend.teardown()
-
-    def __enter__(self) -> Distributed:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._end(meet=exc[0] is None)
-
-    def _check_open(self, verb: str) -> None:
-        if self._ended:
-            raise OwnLoopError(f"{verb}: this Distributed has ended")
 
     def _eager(self, verb: str) -> None:
         if not tf.executing_eagerly():

@@ -18,19 +18,17 @@ Pipeline parallel stays with the Trainer (refused in one line).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from polytrain import checkpoint, registry, validation
 from polytrain.environments import detect_world
+from polytrain.loop_session import LoopSession
 from polytrain.loop_watch import LoopWatch
 from polytrain.torch.errors import OwnLoopError
 from polytrain.torch.loaders import Loading, gather, sharded
@@ -39,10 +37,9 @@ from polytrain.world import World
 
 #: backends whose own hooks a hand-written loop can drive as it is (the others come with issue 28)
 SUPPORTED = ("local", "ddp", "fsdp", "deepspeed", "horovod", "mpi")
-REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
-class Distributed:
+class Distributed(LoopSession):
     """One process's place in a distributed job, for a loop the user writes.
 
     ``backend``: a torch backend name or ``"auto"``; ``precision``: ``fp32``/``bf16``/``fp16``;
@@ -110,30 +107,14 @@ class Distributed:
         self._owner = checkpoint.Owner(checkpoint.new_run_id())  # whose checkpoints `save` may replace and prune
         self._updates = 0  # optimizer steps taken (the activity's step numbers count from 1)
         self.backend.setup()
-        atexit.register(self._end_at_exit)
+        self._hold()
         reliability = self.spec.reliability
         self._watch.start(self.backend, reliability.stall_warning_s, reliability.collective_timeout_s)
 
     # ------------------------------------------------------------------ who and where
     @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.world.size
-
-    @property
-    def is_main(self) -> bool:
-        return self.world.rank == 0
-
-    @property
     def device(self) -> torch.device:
         return self.backend.device
-
-    @property
-    def backend_name(self) -> str:
-        return self.backend.name
 
     # ------------------------------------------------------------------ model and optimizer
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, _Optimizer]:
@@ -251,24 +232,13 @@ class Distributed:
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """``tensor`` reduced over the ranks (sum, mean, max, min): a new tensor on its device."""
-        if op not in REDUCE_OPS:
-            raise OwnLoopError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
-        values = tensor.detach().double().cpu().numpy()
         with self._watch.during("all_reduce"):
-            reduced = self.backend.all_reduce(values, "sum" if op == "mean" else op)
-        if op == "mean":
-            reduced = np.asarray(reduced) / self.world.size
-        return torch.as_tensor(np.asarray(reduced)).to(tensor.device, tensor.dtype)
+            reduced = self._reduce(tensor.detach().double().cpu().numpy(), op)
+        return torch.as_tensor(reduced).to(tensor.device, tensor.dtype)
 
     def barrier(self) -> None:
         with self._watch.during("barrier"):
             self.backend.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only."""
-        if self.is_main:
-            print(*args, **kwargs)
-            (kwargs.get("file") or sys.stdout).flush()
 
     # ------------------------------------------------------------------ checkpoints (the Trainer's)
     def save(self, path: str | Path, state: Mapping[str, Any], *, keep_last: int | None = None) -> Path:
@@ -291,41 +261,9 @@ class Distributed:
             return load(self, path, state)
 
     # ------------------------------------------------------------------ lifetime
-    def end(self) -> None:
-        """Stop what this object started (process group, stores, wrappers); idempotent, also run at exit."""
-        self._end(meet=True)
-
-    def _end_at_exit(self) -> None:
-        self._end(meet=False)  # the script may be ending on an error, with the other ranks in a collective
-
-    def _end(self, meet: bool) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        atexit.unregister(self._end_at_exit)  # the exit hook held this object (and its backend) for the process's life
+    def _release(self) -> None:
         self._model = self._optimizer = None
         self._watch.close()
-        if meet and self.world.size > 1:
-            # Every rank past its last collective, with the GIL let go while it waits: gloo's workers finish
-            # freeing that collective's tensors (which needs the GIL) now. Otherwise the script's DDP model, the
-            # group's last holder once it is torn down, could free the group later with the GIL held, joining a
-            # worker that waits for the GIL: both ranks hung, ~1 run in 5 of two sessions in one process.
-            try:
-                self.backend.barrier()
-            finally:  # a barrier that fails (a rank gone) must not keep the group and its threads alive
-                self.backend.teardown()
-            return
-        self.backend.teardown()
-
-    def __enter__(self) -> Distributed:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._end(meet=exc[0] is None)
-
-    def _check_open(self, verb: str) -> None:
-        if self._ended:
-            raise OwnLoopError(f"{verb}: this Distributed has ended")
 
     def _needs_setup(self, verb: str) -> None:
         self._check_open(verb)
