@@ -333,7 +333,9 @@ class TorchBackend:
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         if not dist.is_initialized():
             return np.asarray(values)
-        tensor = torch.as_tensor(np.asarray(values, dtype=np.float64)).to(self.device)
+        # a copy that torch owns: a numpy-backed tensor is freed through Python (the GIL), and gloo's worker may free
+        # it after the collective returns, while the main thread holds the GIL freeing the group: a hang at exit
+        tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=self.device)
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, REDUCE_OPS[op]))
         return tensor.cpu().numpy()
 

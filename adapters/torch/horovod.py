@@ -94,7 +94,7 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         hvd = self.hvd
         reduce_op = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op]
-        tensor = torch.as_tensor(np.asarray(values, dtype=np.float64))
+        tensor = torch.tensor(np.asarray(values, dtype=np.float64))  # torch's own memory (see TorchBackend.all_reduce)
         return hvd.allreduce(tensor, op=reduce_op, name=f"polytrain.trainer.{op}").numpy()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
