@@ -4,6 +4,8 @@
   the Slurm environment polytrain detected from real srun variables, and the replicas end identical.
 - ``srun -N2 -n3`` (tasks per node 2,1): every rank's local size is the number of tasks on its own node.
 - A host's ranks SIGKILLed: the job ends non-zero, Slurm names the killed tasks, nothing is left.
+- A hand-written loop on `polytrain.torch.Distributed` (tests/multiproc/own_loop_worker.py) as one rank per
+  host under ``srun -N2 -n2``: the same losses and weights as the loop in one process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from jobs import REPO, SPEC, WORKER_MARK, sets, trained
 from netns import Cluster
@@ -23,6 +26,7 @@ from slurm import SlurmCluster, slurm_unavailable
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 PROBE = str(Path(__file__).resolve().parent / "world_probe.py")
+OWN_LOOP = str(REPO / "tests" / "multiproc" / "own_loop_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +105,28 @@ def test_srun_uneven_tasks_per_node(slurm: SlurmCluster, cluster: Cluster, tmp_p
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "torch/ddp on 3 process(es) (launcher: slurm)" in done.stdout + done.stderr
     trained(out, 3, "ddp")
+
+
+def test_own_loop_one_rank_per_host_under_srun(slurm: SlurmCluster, cluster: Cluster, tmp_path: Path) -> None:
+    """The own-loop API under srun, across two hosts (backend ddp, the master the job's first node): every
+    micro-step's loss and the final weights equal the same loop in one process."""
+    h1 = cluster.hosts[0]
+    runs = {"one": ([sys.executable], "local"), "srun": (["srun", "-N2", "-n2", "--kill-on-bad-exit=1", sys.executable],
+                                                        "ddp")}
+    got = {}
+    for name, (start, backend) in runs.items():
+        out = tmp_path / f"{name}.json"
+        done = h1.run([*start, OWN_LOOP, backend, str(out)], env=slurm.env(), cwd=REPO, check=False, timeout=180)
+        assert done.returncode == 0, f"{name}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        got[name] = json.loads(out.read_text())
+    one, two = got["one"], got["srun"]
+    assert (two["launcher"], two["backend"], two["world"]) == ("slurm", "ddp", 2)
+    assert len(two["losses"]) == len(one["losses"]) == 40
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    np.testing.assert_allclose(two["norms"], one["norms"], rtol=1e-5)
+    for name, values in one["weights"].items():
+        np.testing.assert_allclose(two["weights"][name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert slurm.wait_no_processes(30) == {}, "processes left on the hosts"
 
 
 def wait_for_step(metrics: Path, timeout: float = 120) -> None:

@@ -50,7 +50,8 @@ def train(backend: str, out: str, fail_rank: int = -1) -> None:
     state = dist.get_state_dict(model)
     if dist.is_main:
         with open(out, "w") as f:
-            json.dump({"backend": dist.backend_name, "world": dist.world_size, "refused": refused, "losses": losses, "norms": norms,
+            json.dump({"backend": dist.backend_name, "label": dist.backend.label, "launcher": dist.world.launcher,
+                       "world": dist.world_size, "refused": refused, "losses": losses, "norms": norms,
                        "weights": {k: v.flatten().tolist() for k, v in state.items()}}, f)
     dist.end()
 

@@ -1,8 +1,9 @@
 """A hand-written loop on `polytrain.torch.Distributed` (tests/multiproc/own_loop_worker.py) on 2 ranks under
 real launchers equals the same loop in one process: every micro-step's loss and the final weights, with
 accumulation, clipping and an uneven final batch, on ddp, fsdp and DeepSpeed ZeRO-2/3 under torchrun, mpi under
-mpirun and the Horovod shim under mpirun. Checkpoints cross backends, world sizes and the Trainer; fp16 skips an
-overflowed update on every rank alike."""
+mpirun and the Horovod shim under mpirun; also real Horovod under horovodrun, ZeRO-2 under DeepSpeed's launcher and
+ddp under ``polytrain launch --launcher torchrun`` (srun: tests/cluster/test_slurm.py). Checkpoints cross
+backends, world sizes and the Trainer; fp16 skips an overflowed update on every rank alike."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from procs import check, command, job_env, read_metrics, run, train
 
 from polytrain.checkpoint import read_model
+from polytrain.horovod.common import _import_error
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -49,7 +51,12 @@ def test_two_ranks_equal_one_process(one_process: dict, tmp_path: Path, backend:
     if backend.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     launcher, env = JOBS[backend]
-    got = loop_run(tmp_path, backend, launcher, 2, env)
+    assert_equals_one_process(loop_run(tmp_path, backend, launcher, 2, env), one_process, backend)
+
+
+def assert_equals_one_process(got: dict, one_process: dict, backend: str) -> None:
+    """2 ranks of ``backend`` (``deepspeed-<stage>``: DeepSpeed) made the one-process run's every loss, norm and
+    weight within 1e-5."""
     assert (got["backend"], got["world"]) == (backend.partition("-")[0], 2)
     assert len(got["losses"]) == len(one_process["losses"]) == 40  # 20 updates of 2 micro-steps
     assert max(one_process["norms"]) > 0.5  # the clip at 0.5 bit on some updates
@@ -62,6 +69,30 @@ def test_two_ranks_equal_one_process(one_process: dict, tmp_path: Path, backend:
     assert got["weights"].keys() == one_process["weights"].keys()
     for name, values in one_process["weights"].items():
         np.testing.assert_allclose(got["weights"][name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+needs_horovod = pytest.mark.skipif(_import_error("horovod.torch") is not None,
+                                   reason="real Horovod is not installed (scripts/build_horovod.sh)")
+MORE_LAUNCHERS = {  # case: (backend, launcher as procs.command names it, environment, World.launcher, backend label)
+    "horovod-horovodrun": ("horovod", "horovodrun-gloo", {"MASTER_ADDR": None}, "horovodrun-gloo",
+                           "horovod (Horovod implementation)"),
+    "deepspeed-launcher": ("deepspeed-2", "launch-deepspeed", {}, "deepspeed", "deepspeed"),
+    "ddp-polytrain-launch": ("ddp", "launch-torchrun", {}, "torchrun", "ddp"),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param("horovod-horovodrun", marks=needs_horovod), "deepspeed-launcher",
+                                  "ddp-polytrain-launch"])
+def test_two_ranks_equal_one_process_under_more_launchers(one_process: dict, tmp_path: Path, case: str) -> None:
+    """The same loop under real Horovod's ``horovodrun --gloo`` (backend horovod on real Horovod), DeepSpeed's
+    own launcher (through ``polytrain launch --launcher deepspeed``) and ``polytrain launch --launcher torchrun``
+    (which starts a script as it starts a spec): each names its launcher to the ranks, and equals one process."""
+    backend, launcher, env, world_launcher, label = MORE_LAUNCHERS[case]
+    if backend.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    got = loop_run(tmp_path, backend, launcher, 2, env)
+    assert (got["launcher"], got["label"]) == (world_launcher, label)
+    assert_equals_one_process(got, one_process, backend)
 
 
 GATHER = str(Path(__file__).resolve().parent / "gather_worker.py")
