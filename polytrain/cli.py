@@ -1,4 +1,4 @@
-"""The ``polytrain`` command: ``train``, ``launch``, ``compare``, ``info``.
+"""The ``polytrain`` command: ``train``, ``launch``, ``compare``, ``plan``, ``info``.
 
 Bad input ends with one line on stderr naming the field or flag, and exit code 2;
 ``--debug`` shows the traceback instead.
@@ -142,6 +142,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return compare_from_args(args)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from polytrain.plan.command import plan_from_args
+
+    return plan_from_args(args)
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -225,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_arguments(compare)
     compare.set_defaults(func=_cmd_compare)
+
+    plan_p = sub.add_parser("plan", help="which layouts fit N ranks: per-rank memory and bytes sent per step, "
+                                         "predicted, and the one to run")
+    from polytrain.plan.command import add_plan_arguments
+
+    add_plan_arguments(plan_p)
+    plan_p.set_defaults(func=_cmd_plan)
     for choices in (sub, actions):  # a missing command then lists the allowed ones, not argparse's dest name
         choices.metavar = "{" + ",".join(choices.choices) + "}"
     return parser
@@ -320,7 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _exit_board(exc.exit_code, exc)
         if args.debug:
             raise
-        print(failure_text(exc), file=sys.stderr, flush=True)
+        # one write of the whole line: print writes the text and its newline apart, and the other ranks' lines
+        # (one pipe under a launcher) came in between: "...instead)polytrain: error: ..." on one line
+        sys.stderr.write(failure_text(exc) + "\n")
+        sys.stderr.flush()
         abort_mpi_job(exc.exit_code)
         return exc.exit_code
     except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`: before Exception, its base class

@@ -94,9 +94,9 @@ def stalled_run(tmp_path: Path, sleep_s: str, sets: list[str]):
 
 
 def test_a_stalled_rank_is_named_by_the_waiting_rank_and_the_run_goes_on(tmp_path: Path) -> None:
-    """Rank 1 sleeps 10 s in the forward pass of step 5; after 2 s rank 0, waiting in backward's allreduce,
+    """Rank 1 sleeps 6 s in the forward pass of step 5; after 2 s rank 0, waiting in backward's allreduce,
     warns naming rank 1 and where it is. The run then finishes normally."""
-    result = stalled_run(tmp_path, "10", ["reliability.stall_warning_s=2"])
+    result = stalled_run(tmp_path, "6", ["reliability.stall_warning_s=2"])
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if "WARNING: no progress" in line]
     named = [line for line in warnings if re.search(
@@ -123,7 +123,7 @@ def test_under_mpirun_a_stalled_rank_is_named_too(tmp_path: Path, framework: str
     cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", *[a for v in ("FAULT_RANK", "FAULT_AT", "FAULT_MODE",
            "FAULT_SLEEP", "PYTHONPATH") for a in ("-x", v)], sys.executable, "-m", "polytrain.cli", "train", "--quiet",
            *[a for s in sets for a in ("--set", s)]]
-    env = loopback_env(PYTHONPATH=str(HERE), FAULT_RANK="1", FAULT_AT="5", FAULT_MODE="sleep", FAULT_SLEEP="8")
+    env = loopback_env(PYTHONPATH=str(HERE), FAULT_RANK="1", FAULT_AT="5", FAULT_MODE="sleep", FAULT_SLEEP="5")
     env.pop("MASTER_ADDR")
     result = run(cmd, env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
