@@ -70,13 +70,13 @@ def worker(raw_json: str, checkpoint: str, loads: int, out_file: str) -> None:
     from polytrain import trainer as trainer_mod
     from polytrain import validation
     from polytrain.environments import detect_world
-    from polytrain.run_checkpoints import RunCheckpoints
-    from polytrain.trainer import Position, Trainer
+    from polytrain.run_checkpoints import Restored, RunCheckpoints
+    from polytrain.trainer import Trainer
 
     class TimedRestore(RunCheckpoints):
         seconds: list[float] = []
 
-        def _restore(self, resume: str, accept_changed_data: bool) -> Position:
+        def _restore(self, resume: str, accept_changed_data: bool) -> Restored | None:
             self.backend.barrier()
             start = time.perf_counter()
             position = super()._restore(resume, accept_changed_data)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain import checkpoint as ckpt
-from polytrain import objectives
+from polytrain import jsonfiles, objectives
 from polytrain.errors import SpecError
 from polytrain.spec import TrainSpec
 from polytrain.user_code import call_user, load_callable, user_name
@@ -183,7 +183,9 @@ class BestCheckpoints:
         return sorted(entries, key=lambda e: e["value"], reverse=self.mode == "max")
 
     def wants(self, value: float) -> bool:
-        if math.isnan(value):
+        """Whether a checkpoint whose monitored value is ``value`` is among the best (a non-finite value never
+        is: a diverged run's checkpoint is not one to keep, and the index holds finite numbers only)."""
+        if not math.isfinite(value):
             return False
         if len(self.entries) < self.top_k:
             return True
@@ -201,7 +203,7 @@ class BestCheckpoints:
         self._foreign = None
         index = {"monitor": self.monitor, "mode": self.mode, ckpt.RUN_KEY: self.owner.run_id, "best": self.entries}
         tmp = self.root / "index.json.tmp"
-        tmp.write_text(json.dumps(index, indent=2))
+        tmp.write_text(jsonfiles.dumps(index, indent=2))
         tmp.replace(self.root / "index.json")
         removed = []
         for entry in dropped:

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from polytrain import checkpoint_files as cf
+from polytrain import jsonfiles
 from polytrain.errors import UserError
 
 FORMAT_VERSION = 1
@@ -138,7 +139,7 @@ def write_model(path: Path, state: Mapping[str, np.ndarray], manifest: Mapping[s
     ``safetensors_sha256``); a crash at any moment leaves the previous pair or the new one, never a mix."""
     data = _tensor_bytes(state)
     full = {**manifest, cf.DIGEST_KEY: hashlib.sha256(data).hexdigest()}
-    cf.write_model_pair(path, data, json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
+    cf.write_model_pair(path, data, jsonfiles.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -209,7 +210,7 @@ def save_checkpoint(root: Path, step: int, tensors: Mapping[str, Mapping[str, np
             _write_file(path, _tensor_bytes(state))
             files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
         full_manifest = {"format_version": FORMAT_VERSION, **manifest, "global_step": step, "files": files}
-        _write_file(tmp / "manifest.json", json.dumps(full_manifest, indent=2, sort_keys=True, default=str).encode())
+        _write_file(tmp / "manifest.json", jsonfiles.dumps(full_manifest, indent=2, sort_keys=True, default=str).encode())
         _fsync_dir(tmp)
         cf.swap_in(tmp, final)  # a re-save of the same step (e.g. after a resume) replaces it whole
     except BaseException:

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from polytrain import checkpoint as ckpt
+from polytrain import jsonfiles
 from polytrain.errors import UserError
 
 
@@ -224,4 +224,4 @@ def import_weights(source: Path, spec_path: Path | None, overrides: list[str], o
 def describe_json(path: Path) -> str:
     manifest, tensors = _load_any(path)
     shapes = {stem: {k: list(v.shape) for k, v in state.items()} for stem, state in tensors.items()}
-    return json.dumps({"manifest": manifest, "tensors": shapes}, indent=2, default=str)
+    return jsonfiles.dumps({"manifest": manifest, "tensors": shapes}, indent=2, default=str)

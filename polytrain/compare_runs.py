@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from polytrain import jsonfiles
+
 if TYPE_CHECKING:  # numpy only where used: every `polytrain` command imports this module
     import numpy as np
 
@@ -71,7 +73,7 @@ class Record:
             self._log = (self.out / "metrics.jsonl").open("a", buffering=1)
         self._count += 1
         value = float(loss.detach().float().item()) if hasattr(loss, "detach") else float(loss)
-        self._log.write(json.dumps({"event": "step", "time": time.time(), "step": self._count, "loss": value}) + "\n")
+        self._log.write(jsonfiles.dumps({"event": "step", "time": time.time(), "step": self._count, "loss": value}) + "\n")
 
     def save(self, model: Any) -> None:
         """Write the final weights of ``model`` (every rank calls it; rank 0 writes) and close the record."""

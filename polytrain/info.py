@@ -1,4 +1,5 @@
-"""``polytrain info``: what is installed, which launchers are on PATH, which backends can run."""
+"""``polytrain info``: what is installed, which launchers are on PATH, which backends can run, and which data
+sources (``data.name``) can be read here with the data extras (``pip install 'polytrain[data]'``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from polytrain import registry
 from polytrain.launchers import registry as launcher_registry
 
 PACKAGES = ("torch", "tensorflow", "keras", "deepspeed", "horovod", "mpi4py", "numpy", "safetensors")
+#: the data extras (``pip install 'polytrain[data]'``): Parquet files and images
+DATA_PACKAGES = ("pyarrow", "Pillow")
 
 
 def _version(dist: str) -> str | None:
@@ -87,6 +90,15 @@ def accelerators() -> dict[str, Any]:
             "nccl": nccl}
 
 
+def data_sources() -> list[dict[str, Any]]:
+    """Each ``data.name`` (the registry's source rows): whether it can be read here, and if not, what to install."""
+    rows = []
+    for entry in registry.SOURCES:
+        reason = entry.unusable_reason()
+        rows.append({"name": entry.name, "usable": reason is None, "why_not": reason})
+    return rows
+
+
 def collect() -> dict[str, Any]:
     library, mpi_broken = mpi_library()
     backends = []
@@ -98,12 +110,14 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
+        "data_packages": {name: _version(name) for name in DATA_PACKAGES},
         "launchers": {name: find_binary(name) for name in launcher_registry.info_binaries()},
         "mpi_library": library,
         "mpi_library_error": mpi_broken,
         "horovod_build": horovod_build(),
         "accelerators": accelerators(),
         "backends": backends,
+        "data_sources": data_sources(),
     }
 
 
@@ -130,4 +144,15 @@ def to_table(report: dict[str, Any]) -> str:
     for row in report["backends"]:
         usable = "yes" if row["usable"] else f"no: {row['why_not']}"
         lines.append(f"  {row['backend']:<16} {row['framework']:<11} {usable}")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *data_table(report)])
+
+
+def data_table(report: dict[str, Any]) -> list[str]:
+    """The table's lines on the data extras and the data sources (``report``'s ``data_packages`` and
+    ``data_sources``)."""
+    lines = ["data extras (pip install 'polytrain[data]'):"]
+    lines += [f"  {name:<12} {ver or 'not installed'}" for name, ver in report["data_packages"].items()]
+    lines += ["", "data sources:", f"  {'data.name':<16} usable"]
+    for row in report["data_sources"]:
+        lines.append(f"  {row['name']:<16} {'yes' if row['usable'] else 'no: ' + row['why_not']}")
+    return lines

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
-import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from polytrain import jsonfiles
 
 # The same tags for every framework and backend, so runs overlay in one TensorBoard.
 SCALAR_TAGS = {
@@ -23,17 +25,22 @@ CSV_COLUMNS = ("event", "time", "step", "epoch", "loss", "lr", "samples_per_s", 
 class MetricsLog:
     """Rank 0's record of a run: ``metrics.jsonl``, ``metrics.csv`` and TensorBoard events in ``tb/``.
 
-    Other ranks get a log whose ``path`` is None: every call is a no-op. TensorBoard events are
-    written with tensorboardX (a maintained writer) when it is installed.
+    Other ranks get a log whose ``path`` is None: every call is a no-op. The files are opened at the first
+    record, so a run that writes none (a resumed run that was already complete) leaves them as they were.
+    ``metrics.jsonl`` is strict JSON (`polytrain.jsonfiles`: a non-finite number is ``null``); TensorBoard gets
+    finite values only. TensorBoard events are written with tensorboardX (a maintained writer) when it is
+    installed.
     """
 
     def __init__(self, path: Path | None, tensorboard: bool = True) -> None:
         self.path = path
+        self.tensorboard = tensorboard
         self._file: TextIO | None = None
         self._csv: Any = None
         self._tb: Any = None
-        if path is None:
-            return
+        self._closed = False
+
+    def _open(self, path: Path) -> TextIO:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", buffering=1)
         csv_path = path.with_suffix(".csv")
@@ -42,18 +49,20 @@ class MetricsLog:
         self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         if new_csv:
             self._csv.writeheader()
-        if tensorboard:
+        if self.tensorboard:
             try:
                 from tensorboardX import SummaryWriter
             except ImportError:
-                return
+                return self._file
             self._tb = SummaryWriter(logdir=str(path.parent / "tb"), flush_secs=10)
+        return self._file
 
     def write(self, event: str, **fields: Any) -> None:
-        if self._file is None:
+        if self.path is None or self._closed:
             return
+        file = self._file or self._open(self.path)
         record = {"event": event, "time": round(time.time(), 3), **fields}
-        self._file.write(json.dumps(record) + "\n")
+        file.write(jsonfiles.dumps(record) + "\n")  # a diverged loss is null, never a bare NaN
         if event in SCALAR_TAGS:
             self._csv.writerow(record)
             if self._tb is not None:
@@ -62,10 +71,12 @@ class MetricsLog:
                     tags.update({k: f"val/{k.removeprefix('val_')}" for k in fields if k.startswith("val_")})
                 for key, tag in tags.items():
                     value = fields.get(key)
-                    if isinstance(value, (int, float)) and value is not None:
+                    if isinstance(value, (int, float)) and math.isfinite(value):  # TensorBoard refuses NaN/inf
                         self._tb.add_scalar(tag, value, global_step=int(fields.get("step", 0)))
 
     def close(self) -> None:
+        """Close the files; later records are not written."""
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._csv_file.close()

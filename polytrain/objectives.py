@@ -6,6 +6,11 @@ sample (the Trainer's exact-averaging rule sums them and scales the sum), a metr
 sample (per token for next-token data) that evaluation sums, with its count; the sums and counts
 of every rank are added up before dividing, never averages of averages. ``perplexity`` is
 ``exp(validation loss)``, computed from the reduced loss.
+
+A user's loss or metric gets the model's outputs shaped like the targets when the model has a single output
+per target (`single_output`: a regression head's (batch, 1) against targets (batch,) comes as (batch,), as Keras
+hands its losses), so ``abs(out - y)`` is per sample instead of broadcasting to (batch, batch); what it returns
+is checked to be one value per sample (`per_sample_error` says what it got and what was expected).
 """
 
 from __future__ import annotations
@@ -118,3 +123,36 @@ def reduce(totals: Mapping[str, tuple[float, float]], metrics: Sequence[str]) ->
         else:
             values[metric_key(name)] = mean(totals[name])
     return loss, values
+
+
+Shape = tuple[Any, ...]  # a tensor's shape; None where TensorFlow does not know a size while tracing
+
+
+class PerSampleError(SpecError):
+    """A user's loss or metric did not return one value per sample (one line, exit code 2)."""
+
+    #: raised while TensorFlow traces a step, AutoGraph passes it through as it is instead of folding the traced
+    #: code's frames into its message: it stays one line
+    ag_pass_through = True
+
+
+def single_output(out_shape: Shape, y_shape: Shape) -> bool:
+    """Whether outputs of ``out_shape`` hold one value per target of ``y_shape`` in a last axis of size 1 (a
+    single-output head: (batch, 1) against (batch,)); a user's loss or metric then gets them shaped like the
+    targets. Unknown sizes (None) match any."""
+    if len(out_shape) != len(y_shape) + 1 or out_shape[-1] != 1:
+        return False
+    return all(a is None or b is None or a == b for a, b in zip(out_shape, y_shape))
+
+
+def per_sample_error(field_name: str, name: str, returned: Any, out_shape: Shape, y_shape: Shape) -> PerSampleError:
+    """The one line for a user loss or metric that did not return one value per sample: what it was given and
+    what it returned (``returned``: a shape, or a type's name)."""
+    def shown(shape: Shape) -> str:
+        return "(" + ", ".join("batch" if n is None else str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+    got = shown(returned) if isinstance(returned, tuple) else returned
+    batch = "batch" if not y_shape or y_shape[0] is None else str(y_shape[0])
+    return PerSampleError(f"{field_name}: {name} returned {got} for outputs of shape {shown(out_shape)} and targets of "
+                     f"shape {shown(y_shape)}; it must return one value per sample, shape ({batch},) (not reduced "
+                     f"to a mean or a sum, nor broadcast across samples)")

@@ -102,10 +102,20 @@ class SourceEntry:
     target: str
     uses: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
+    #: modules it imports (``PIL`` is Pillow's), and what installs them
     requires: tuple[str, ...] = ()
     install_hint: str = ""
 
+    def unusable_reason(self) -> str | None:
+        """Why this source cannot be read here (a module it needs is not installed), or None when it can."""
+        for module in self.requires:
+            if not installed(module):
+                return f"{DISTRIBUTIONS.get(module, module)} is not installed ({self.install_hint})"
+        return None
 
+
+#: the distribution that provides a module, where their names differ (for what to install)
+DISTRIBUTIONS = {"PIL": "Pillow"}
 _FILES = ("path", "val_path")
 SOURCES: tuple[SourceEntry, ...] = (
     SourceEntry("digits", "polytrain.data.sources:open_arrays"),
@@ -140,9 +150,9 @@ def source_names() -> tuple[str, ...]:
 def open_data(spec: TrainSpec) -> Data:
     """The spec's training and validation data (`polytrain.data.source.Data`)."""
     entry = source(spec.data.name)
-    for module in entry.requires:
-        if not installed(module):
-            raise BackendUnavailableError(f"data.name: {entry.name!r} needs {module}, not installed ({entry.install_hint})")
+    reason = entry.unusable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"data.name: {entry.name!r} cannot be read here: {reason}")
     return _import(entry.target)(spec.data, spec.seed)
 
 

@@ -11,6 +11,7 @@ could (`polytrain.failures.settled`).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,10 +37,22 @@ from polytrain.world import World
 @dataclass(frozen=True)
 class Start:
     """Where a run begins (`RunCheckpoints.begin`): its first position, and its steps with the offset a resume
-    onto another number of steps per epoch brings (`Steps.offset`)."""
+    onto another number of steps per epoch brings (`Steps.offset`). ``complete``: why there is nothing to train
+    (the resumed checkpoint is at or past the run's last step, or its run stopped early), else None."""
 
     position: Position
     steps: Steps
+    complete: str | None = None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The checkpoint a resume loaded (`RunCheckpoints._restore`): where it stands and what changed since."""
+
+    path: str
+    position: Position
+    #: what changed in the data since the checkpoint (--accept-changed-data), or None
+    changed: str | None
 
 
 class RunCheckpoints:
@@ -69,13 +82,50 @@ class RunCheckpoints:
         """Where this run begins: the start, or the checkpoint ``resume`` (--resume) names, its data checked
         against this run's (``accept_changed_data``: a change starts the checkpoint's epoch over). Then, when the
         run writes checkpoints, checkpoint.dir is claimed for it (``overwrite``: another run's checkpoints there
-        move aside, else the run is refused)."""
+        move aside, else the run is refused).
+
+        A resumed run is complete when its checkpoint's global step is at or past this run's last step
+        (``Steps.total``: the end of ``loop.epochs``, or ``loop.max_steps``) or its run stopped early: then nothing
+        is written (no record, no checkpoint, no claim) and `Start.complete` says why. Raising ``loop.epochs`` or
+        ``loop.max_steps`` moves the last step, and the resumed run trains the steps added."""
         target = self._resume_target(resume)
-        pos = self._restore(target, accept_changed_data) if target else Position()
+        restored = self._restore(target, accept_changed_data) if target else None
+        if restored is None:
+            pos = Position()
+        else:
+            pos = restored.position
+            complete = self._complete(restored)
+            if complete is not None:
+                self.progress.line(complete)
+                return Start(pos, self.steps, complete)
+            self._announce(restored)
         if self.enabled or self.hooks.best is not None:
             settled(self.backend, self.world.size, lambda: self._claim_dir(overwrite) if self.world.rank == 0
                     else None)
         return Start(pos, self.steps)
+
+    def _complete(self, restored: Restored) -> str | None:
+        """Why the run of ``restored`` has nothing left to train, or None."""
+        step, loop = restored.position.step, self.spec.loop
+        if self.hooks.stopped_early:
+            return (f"the run is complete: it stopped early (loop.early_stopping) before {restored.path} at step "
+                    f"{step}; nothing to train (start without --resume to train afresh)")
+        if step < self.steps.total:
+            return None
+        limits = f"loop.epochs: {loop.epochs}" + (f", loop.max_steps: {loop.max_steps}" if loop.max_steps else "")
+        return (f"the run is complete: {restored.path} is at step {step}, and this run ends at step "
+                f"{self.steps.total} ({limits}); nothing to train (raise loop.epochs or loop.max_steps to train on)")
+
+    def _announce(self, restored: Restored) -> None:
+        """The lines and records of a resume that goes on training."""
+        pos = restored.position
+        self.progress.line(f"resumed from {restored.path} at step {pos.step} (epoch {pos.epoch + 1}, "
+                           f"step {pos.step_in_epoch} of the epoch)")
+        if restored.changed is not None:
+            self.progress.line(f"the data changed since that checkpoint ({restored.changed}); --accept-changed-data: "
+                               f"epoch {pos.epoch + 1} starts over on this data")
+            self.log.write("data_changed", step=pos.step, epoch=pos.epoch, changes=restored.changed)
+        self.log.write("resume", step=pos.step, path=restored.path)
 
     def _resume_target(self, resume: str | None) -> str | None:
         """``--resume``, or ``auto`` when an elastic launcher restarted this worker and checkpoints are on."""
@@ -83,8 +133,9 @@ class RunCheckpoints:
             return resume
         return "auto" if restart_count() > 0 and self.enabled else None
 
-    def _restore(self, resume: str, accept_changed_data: bool) -> Position:
-        """Load the checkpoint named by ``resume`` into the model and optimizer; return where to go on."""
+    def _restore(self, resume: str, accept_changed_data: bool) -> Restored | None:
+        """Load the checkpoint named by ``resume`` into the model and optimizer; return it and where to go on
+        (None: there is no checkpoint to resume, the run starts from scratch)."""
         size, global_batch = self.world.size, self.steps.global_batch
         # rank 0 chooses, every rank reads: a failure on any rank (say, a path the others cannot see on a
         # filesystem that is not shared) ends every rank at once with the same line
@@ -93,7 +144,7 @@ class RunCheckpoints:
         path = self.backend.broadcast_object(str(found) if found else None)
         if path is None:
             self.progress.line(f"no checkpoint in {self.spec.checkpoint_dir}: starting from scratch")
-            return Position()
+            return None
         manifest, tensors = settled(self.backend, size, lambda: ckpt.load_checkpoint(Path(path)))
         if manifest.get("origin") == loop_checkpoints.ORIGIN:  # a hand-written loop's: it knows no spec
             loop_checkpoints.check_names(Path(path), tensors["model"], self.framework.parameter_shapes(),
@@ -124,14 +175,7 @@ class RunCheckpoints:
             self.framework.set_rng_state(manifest["rng_states"][self.world.rank])
         pos = Position(manifest["global_step"], manifest["epoch"], 0 if changed else manifest["step_in_epoch"])
         self.steps = replace(self.steps, offset=pos.step - pos.epoch * self.steps.per_epoch - pos.step_in_epoch)
-        self.progress.line(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "
-                           f"step {pos.step_in_epoch} of the epoch)")
-        if changed is not None:
-            self.progress.line(f"the data changed since that checkpoint ({changed}); --accept-changed-data: "
-                               f"epoch {pos.epoch + 1} starts over on this data")
-            self.log.write("data_changed", step=pos.step, epoch=pos.epoch, changes=changed)
-        self.log.write("resume", step=pos.step, path=str(path))
-        return pos
+        return Restored(str(path), pos, changed)
 
     def _data_changes(self, path: str, manifest: dict[str, Any], accept_changed_data: bool) -> str | None:
         """Rank 0: None when the checkpoint's data is this run's (or it recorded none: older polytrain); what
@@ -252,6 +296,20 @@ class RunCheckpoints:
         }
 
     # ------------------------------------------------------------------ the final model
+    def model_written(self, step: int) -> bool:
+        """Whether ``output`` holds this run's final model of ``step`` (rank 0 reads its model.json; every rank
+        gets rank 0's answer)."""
+        def written() -> bool:
+            try:
+                manifest = json.loads((Path(self.spec.output) / "model.json").read_text())
+            except (OSError, ValueError):
+                return False
+            return isinstance(manifest, dict) and manifest.get("global_step") == step and \
+                manifest.get(ckpt.RUN_KEY) in (self.owner.run_id, None)
+
+        return bool(self.backend.broadcast_object(settled(self.backend, self.world.size, lambda: written()
+                                                          if self.world.rank == 0 else None)))
+
     def save_model(self, result: TrainResult) -> dict[str, Any]:
         """Write the final model (rank 0); returns its full state, which every rank has."""
         state = self.framework.export_state()  # collective on sharded backends: every rank calls it

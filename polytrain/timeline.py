@@ -16,12 +16,13 @@ allocate nothing: ``with timeline.span(...)`` then costs one attribute lookup an
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from polytrain import jsonfiles
 
 #: Track (Chrome trace "thread") ids within a rank's process.
 LOOP, COLLECTIVES, PIPELINE, PIPELINE_IDLE = 0, 1, 2, 3
@@ -108,6 +109,6 @@ def write_chrome_trace(path: str | os.PathLike[str], events_by_rank: Mapping[int
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
-    partial.write_text(json.dumps(chrome_trace(events_by_rank, metadata=metadata)))
+    partial.write_text(jsonfiles.dumps(chrome_trace(events_by_rank, metadata=metadata)))
     os.replace(partial, target)
     return target

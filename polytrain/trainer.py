@@ -41,7 +41,7 @@ from polytrain.failures import (
 )
 from polytrain.metrics import MetricsLog, Progress
 from polytrain.protocols import Backend, BackendFactory, Framework, FrameworkFactory
-from polytrain.run_checkpoints import RunCheckpoints
+from polytrain.run_checkpoints import RunCheckpoints, Start
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline, write_chrome_trace
 from polytrain.trainer_state import LossWindow, Position, Steps, TrainResult
@@ -110,27 +110,49 @@ class Trainer:
             self.hooks = set_up_callbacks(spec, world, self.extra_callbacks, data.info.task, bool(len(data.val)))
             self._build(data)
             start = self._begin(data)
-            if self.timeline.enabled:
-                self.backend.barrier()  # every rank's time zero is the same moment
-                self.timeline.reset_origin()
-            self._activity.set("the start of the training loop")  # the stall clock starts now, not at start-up
-            self.watchdog = self._start_watchdog()  # from here on every rank runs the same activities
-            try:
-                result = self._loop(data, start)
-            except Exception as exc:
-                if not is_peer_failure(exc):
-                    raise
-                raise TrainingFailure(
-                    f"rank {world.rank}: a collective failed during {self._activity.text}: {who_was_lost(self.watchdog)} "
-                    f"({peer_failure_detail(exc)})") from exc
-            final_state = self.checkpoints.save_model(result)
-            self._write_timeline()
-            self.hooks.callbacks.call("on_train_end", result)
-            result.model = self.framework.release(final_state)
+            result = self._complete(data, start) if start.complete else self._train(data, start.position)
         except BaseException:
             self._tear_down(raising=True)
             raise
         self._tear_down(raising=False)
+        return result
+
+    def _train(self, data: Data, start: Position) -> TrainResult:
+        """Train from ``start``, then write the final model and the timeline."""
+        if self.backend.listen_address:
+            self.log.write("rendezvous", listen=self.backend.listen_address)
+        if self.timeline.enabled:
+            self.backend.barrier()  # every rank's time zero is the same moment
+            self.timeline.reset_origin()
+        self._activity.set("the start of the training loop")  # the stall clock starts now, not at start-up
+        self.watchdog = self._start_watchdog()  # from here on every rank runs the same activities
+        try:
+            result = self._loop(data, start)
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            raise TrainingFailure(
+                f"rank {self.world.rank}: a collective failed during {self._activity.text}: "
+                f"{who_was_lost(self.watchdog)} ({peer_failure_detail(exc)})") from exc
+        final_state = self.checkpoints.save_model(result)
+        self._write_timeline()
+        self.hooks.callbacks.call("on_train_end", result)
+        result.model = self.framework.release(final_state)
+        return result
+
+    def _complete(self, data: Data, start: Start) -> TrainResult:
+        """A resumed run that was already complete (`Start.complete`): nothing is trained, written or called back;
+        the result holds the checkpoint's step, finished epochs and model. Only a run that ended between its last
+        checkpoint and its final model (a crash, a kill) gets that model now, evaluated as at its end."""
+        pos = start.position
+        result = TrainResult(global_step=pos.step, epochs_done=pos.epoch, stopped_early=self.hooks.stopped_early)
+        state = self.framework.export_state() if self.checkpoints.model_written(pos.step) else None
+        if state is None:
+            if len(data.val):
+                result.val_loss, result.val_metrics = self._evaluate(data, max(pos.epoch - 1, 0))
+                result.val_accuracy = result.val_metrics.get("accuracy")
+            state = self.checkpoints.save_model(result)
+        result.model = self.framework.release(state)
         return result
 
     def _build(self, data: Data) -> None:
@@ -147,13 +169,12 @@ class Trainer:
             check_ranks_agree(self.backend, {"parameters": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]})
         if self.backend.listen_address:
             self.progress.line(f"polytrain: rendezvous listens on {self.backend.listen_address}")
-            self.log.write("rendezvous", listen=self.backend.listen_address)
         self.progress.line(f"polytrain: {spec.framework}/{self.backend.label} on {world.size} process(es) (launcher: "
                            f"{world.launcher}); {len(data.train)} training samples, {len(data.val)} validation samples")
 
-    def _begin(self, data: Data) -> Position:
+    def _begin(self, data: Data) -> Start:
         """How the epochs cut into steps, the run's checkpoints, and where it begins (a resume restores the
-        checkpoint's state)."""
+        checkpoint's state, and may find the run complete)."""
         spec, world = self.spec, self.world
         # model-parallel layouts: the ranks of a tensor/pipeline group share one shard of the data
         shard = self.backend.data_shard
@@ -170,7 +191,7 @@ class Trainer:
         start = self.checkpoints.begin(self.resume, accept_changed_data=self.accept_changed_data,
                                        overwrite=self.overwrite_checkpoints)
         self.steps = start.steps
-        return start.position
+        return start
 
     def _tear_down(self, raising: bool) -> None:
         """End everything `fit` started before it returns or raises, users before what they use: the watchdog's
@@ -206,8 +227,6 @@ class Trainer:
                 break
         if self.checkpoints.enabled and self.checkpoints.last_saved != here.step:
             self.checkpoints.save(here)  # always leave the final state resumable
-        if not result.history:  # nothing left to train (a resumed finished run): evaluate what there is
-            self._end_epoch(data, result, max(here.epoch - 1, 0), here.step, complete=True, decide=False)
         result.global_step = here.step
         result.stopped_early = self.hooks.stopped_early
         return result
@@ -285,8 +304,8 @@ class Trainer:
         and the progress line. Returns the loss."""
         loss_total, count = self.backend.all_reduce(window.sums)
         elapsed = time.perf_counter() - window.opened
-        loss = loss_total / max(count, 1)
-        speed = count / elapsed if elapsed > 0 else 0.0
+        loss = float(loss_total / max(count, 1))  # plain Python numbers in records and the result, not numpy's
+        speed = float(count / elapsed) if elapsed > 0 else 0.0
         self.log.write("step", step=here.step, epoch=here.epoch, loss=loss, lr=lr, samples_per_s=speed,
                        **self.framework.step_stats())
         self.progress.update(here.step_in_epoch, loss, speed)
@@ -294,8 +313,7 @@ class Trainer:
         window.reset()
         return loss
 
-    def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool,
-                   decide: bool = True) -> bool:
+    def _end_epoch(self, data: Data, result: TrainResult, epoch: int, step: int, complete: bool) -> bool:
         """Evaluate, log and tell the callbacks; returns whether early stopping ends training now."""
         val_loss: float | None = None
         values: dict[str, float] = {}
@@ -314,7 +332,7 @@ class Trainer:
         self.progress.line(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}{validated}")
         self.hooks.callbacks.call("on_validation_end", epoch, record)
         stopping = self.hooks.early_stopping
-        if stopping is None or not decide:
+        if stopping is None:
             return False
         stopping.stopped = bool(self.backend.broadcast_object(stopping.update(record)))  # rank 0's, on every rank
         return stopping.stopped

@@ -18,6 +18,10 @@ from polytrain.spec import TrainSpec
 
 @dataclass
 class TrainResult:
+    """What a run reached, in plain Python numbers (``float`` and ``int``, not numpy's scalars, so a printed result
+    reads as numbers): its last step and finished epochs, the last logged train loss and the last evaluation,
+    and ``history``, each evaluation's epoch record (as ``metrics.jsonl`` holds it)."""
+
     global_step: int = 0
     epochs_done: int = 0
     train_loss: float = math.nan

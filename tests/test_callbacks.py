@@ -122,8 +122,11 @@ def test_an_early_stopped_run_resumes_as_stopped(tmp_path: Path) -> None:
                      loop={"epochs": 6, "early_stopping": {"monitor": "val_loss", "mode": "max", "patience": 1}})
     first, _ = fit(spec)
     assert first.stopped_early and first.global_step == 2 * PER_EPOCH
+    metrics = (tmp_path / "metrics.jsonl").read_text()
     again, job = fit(spec, resume="auto")
     assert job.fw.calls.micro == [] and again.global_step == first.global_step  # nothing more to train
+    assert again.stopped_early and again.history == [] and job.fw.calls.evaluated == []
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # a complete run writes nothing
 
 
 def test_best_checkpoints_keep_the_top_k_by_the_monitored_value(tmp_path: Path) -> None:

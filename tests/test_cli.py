@@ -330,6 +330,9 @@ REPORT: dict[str, Any] = {
     "backends": [{"backend": "ddp", "framework": "torch", "usable": True, "why_not": None},
                  {"backend": "mpi", "framework": "tensorflow", "usable": False,
                   "why_not": "tensorflow is not installed (pip install 'polytrain[tensorflow,mpi]')"}],
+    "data_packages": {"pyarrow": "21.0.0", "Pillow": None},
+    "data_sources": [{"name": "csv", "usable": True, "why_not": None},
+                     {"name": "images", "usable": False, "why_not": "Pillow is not installed (pip install 'polytrain[data]')"}],
 }
 
 
@@ -358,6 +361,15 @@ def test_info_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch, capsys: py
         "  backend          framework   usable",
         "  ddp              torch       yes",
         "  mpi              tensorflow  no: tensorflow is not installed (pip install 'polytrain[tensorflow,mpi]')",
+        "",
+        "data extras (pip install 'polytrain[data]'):",
+        "  pyarrow      21.0.0",
+        "  Pillow       not installed",
+        "",
+        "data sources:",
+        "  data.name        usable",
+        "  csv              yes",
+        "  images           no: Pillow is not installed (pip install 'polytrain[data]')",
     ]
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+from polytrain import registry
 
 
 def test_info_json_reports_what_is_installed() -> None:
@@ -19,6 +22,11 @@ def test_info_json_reports_what_is_installed() -> None:
     assert report["mpi_library"].startswith("Open MPI")
     rows = {(r["backend"], r["framework"]): r for r in report["backends"]}
     assert rows[("ddp", "torch")]["usable"] and rows[("local", "torch")]["why_not"] is None
+    # the data extras with their versions, and every data.name (all readable here)
+    assert report["data_packages"]["pyarrow"] == importlib.metadata.version("pyarrow")
+    assert report["data_packages"]["Pillow"] == importlib.metadata.version("Pillow")
+    assert [r["name"] for r in report["data_sources"]] == list(registry.source_names())
+    assert all(r["usable"] and r["why_not"] is None for r in report["data_sources"])
     if getattr(importlib.util.find_spec("horovod"), "origin", None) is not None:  # not tests/horovod
         build = report["horovod_build"]
         assert build["frameworks"]["PyTorch"] and build["built"]["gloo"] and build["built"]["mpi"]
@@ -54,3 +62,28 @@ def test_info_says_when_mpi4py_cannot_load_an_mpi_library() -> None:
                            timeout=240, env=env)
     assert table.returncode == 0 and "Traceback" not in table.stderr
     assert "mpi library  mpi4py cannot load an MPI library" in table.stdout
+
+
+def test_info_says_which_data_sources_need_the_data_extras() -> None:
+    """Issue 36 item 5: without pyarrow and Pillow, info names the data.name values that cannot be read here and
+    what to install (import blocked in a child process; the installed versions are still reported)."""
+    code = ("import json, sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('pyarrow', 'PIL'): raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from polytrain import info\n"
+            "report = {'data_packages': {'pyarrow': None, 'Pillow': None}, 'data_sources': info.data_sources()}\n"
+            "print(json.dumps(report['data_sources']))\n"
+            "print('\\n'.join(info.data_table(report)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, *table = proc.stdout.splitlines()
+    rows = {r["name"]: r for r in json.loads(first)}
+    hint = "(pip install 'polytrain[data]')"
+    assert rows["parquet"] == {"name": "parquet", "usable": False, "why_not": f"pyarrow is not installed {hint}"}
+    assert rows["images"]["why_not"] == f"Pillow is not installed {hint}"
+    assert {name for name, row in rows.items() if row["usable"]} == set(registry.source_names()) - {"parquet", "images"}
+    assert table[:3] == ["data extras (pip install 'polytrain[data]'):", "  pyarrow      not installed",
+                         "  Pillow       not installed"]
+    assert f"  parquet          no: pyarrow is not installed {hint}" in table and "  csv              yes" in table

@@ -106,6 +106,7 @@ ALLOWED: list[tuple[str, str, str, str]] = [
     ("polytrain/run_checkpoints.py", "RunCheckpoints._restore", "broadcast_object",
      TRAINER + " (rank 0's verdict on the data: what changed, a str, or None)"),
     ("polytrain/run_checkpoints.py", "RunCheckpoints.save_model", "all_gather_object", TRAINER + " (state digests)"),
+    ("polytrain/run_checkpoints.py", "RunCheckpoints.model_written", "broadcast_object", TRAINER + " (a bool)"),
     ("polytrain/torch/checkpoints.py", "save", "all_gather_object",
      "the own loop's checkpoint, between the ranks of one job (RNG states, lists of ints), as the Trainer's"),
     ("polytrain/watchdog.py", "hosted_store_board", "broadcast_object", "rank 0's store endpoint (host, port): in-job"),

@@ -104,8 +104,49 @@ def test_a_user_loss_must_give_one_value_per_sample() -> None:
     fn = torch_obj.loss_fn("fit:mean_loss", live=mean_loss)
     with pytest.raises(SpecError) as info:
         fn(torch.from_numpy(LOGITS), torch.from_numpy(LABELS))
-    assert str(info.value) == ("loss: fit:mean_loss returned (); it must return one value per sample, a tensor of "
-                               "shape (7,) for this batch (not reduced to a mean or a sum)")
+    assert str(info.value) == ("loss: fit:mean_loss returned () for outputs of shape (7, 6) and targets of shape "
+                               "(7,); it must return one value per sample, shape (7,) (not reduced to a mean or a "
+                               "sum, nor broadcast across samples)")
+
+
+def abs_error(out, y):  # noqa: ANN001, ANN201 - a user's function, for either framework
+    return abs(out - y)
+
+
+def test_a_single_output_head_reaches_user_functions_shaped_like_the_targets() -> None:
+    """Issue 36 item 3: (B, 1) outputs against (B,) targets made ``abs(out - y)`` (B, B)."""
+    expected = np.abs(PRED[:, 0] - TARGET)
+    got_torch = torch_obj.loss_fn("fit:abs_error", live=abs_error)(torch.from_numpy(PRED), torch.from_numpy(TARGET))
+    metric = tf_obj.metric_fns(("fit:abs_error",), live={"fit:abs_error": abs_error})["fit:abs_error"]
+    traced = tf.function(metric, input_signature=[tf.TensorSpec([None, 1]), tf.TensorSpec([None])])
+    np.testing.assert_allclose(got_torch.numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(metric(tf.constant(PRED), tf.constant(TARGET)).numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(traced(tf.constant(PRED), tf.constant(TARGET)).numpy(), expected, rtol=1e-6)
+    # several outputs per sample (class scores) come as they are
+    seen = []
+    torch_obj.loss_fn("fit:ce", live=lambda out, y: seen.append(tuple(out.shape)) or out[:, 0])(
+        torch.from_numpy(LOGITS), torch.from_numpy(LABELS))
+    assert seen == [(7, 6)]
+    assert objectives.single_output((None, 1), (None,)) and not objectives.single_output((7, 1), (7, 1))
+
+
+def test_a_user_function_that_broadcasts_is_one_line_naming_the_shapes() -> None:
+    def outer(out, y):  # noqa: ANN001, ANN202 - (B,) against (B, 1): broadcast to (B, B)
+        return abs(out - y[:, None])
+
+    with pytest.raises(SpecError) as info:
+        torch_obj.metric_fns(("fit:outer",), live={"fit:outer": outer})["fit:outer"](
+            torch.from_numpy(PRED), torch.from_numpy(TARGET))
+    assert str(info.value) == ("metrics[0]: fit:outer returned (7, 7) for outputs of shape (7,) and targets of shape "
+                               "(7,); it must return one value per sample, shape (7,) (not reduced to a mean or a "
+                               "sum, nor broadcast across samples)")
+    loss = tf.function(tf_obj.loss_fn("fit:outer", live=outer),
+                       input_signature=[tf.TensorSpec([None, 1]), tf.TensorSpec([None])])
+    with pytest.raises(SpecError) as info:
+        loss(tf.constant(PRED), tf.constant(TARGET))  # checked when traced: the batch size is not known yet
+    assert str(info.value) == ("loss: fit:outer returned (batch, batch) for outputs of shape (batch,) and targets of "
+                               "shape (batch,); it must return one value per sample, shape (batch,) (not reduced to "
+                               "a mean or a sum, nor broadcast across samples)")
 
 
 @pytest.mark.parametrize(("loss", "metrics", "message"), [

@@ -177,13 +177,54 @@ def test_an_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path: Path,
     assert job.fw.calls.micro[0].step == 1 and job.fw.calls.loaded == 0
 
 
-def test_resuming_a_finished_run_keeps_its_validation_numbers(tmp_path: Path) -> None:
-    spec = make_spec(tmp_path, checkpoint={"every_n_epochs": 1})
+def files(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root``: its size and modification time (ns)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_resuming_a_complete_run_says_so_and_writes_nothing(tmp_path: Path, shown: io.StringIO) -> None:
+    """Issue 36 item 1: it trained nothing, then wrote an epoch record with a NaN train loss, a checkpoint and a
+    TensorBoard event."""
+    spec = make_spec(tmp_path, checkpoint={"every_n_epochs": 1, "monitor": "val_loss", "save_top_k": 1})
     first, _ = fit(spec)
-    _, job = fit(spec, resume="auto")
-    assert job.fw.calls.micro == []  # nothing left to train
-    model = json.loads((Path(spec.output) / "model.json").read_text())
+    before = files(tmp_path)
+    assert {"metrics.jsonl", "model.json", "checkpoints/best/index.json"} <= set(before)
+    assert any(name.startswith("tb/") for name in before)
+    result, job = fit(spec, resume="auto", show_progress=True)
+    assert job.fw.calls.micro == [] and job.fw.calls.evaluated == [] and job.fw.calls.loaded == 1
+    assert files(tmp_path) == before  # no record, checkpoint, best index, model or TensorBoard event
+    assert shown.getvalue().splitlines()[-1] == (
+        f"the run is complete: {spec.checkpoint_dir / 'step-00000014'} is at step 14, and this run ends at step 14 "
+        "(loop.epochs: 2); nothing to train (raise loop.epochs or loop.max_steps to train on)")
+    assert (result.global_step, result.epochs_done, result.history) == (14, first.epochs_done, [])
+    assert job.be.teardown_calls == 1
+    # a run that ended between its last checkpoint and its final model gets that model, and nothing else
+    for name in ("model.json", "model.safetensors"):
+        (tmp_path / name).unlink()
+    result, job = fit(spec, resume="auto")
+    assert job.fw.calls.micro == [] and job.fw.calls.evaluated
+    model = json.loads((tmp_path / "model.json").read_text())
     assert (model["global_step"], model["val_accuracy"]) == (14, pytest.approx(first.val_accuracy))
+    assert result.val_accuracy == pytest.approx(first.val_accuracy) and result.history == []
+    assert {name: v for name, v in files(tmp_path).items() if "model." not in name} == \
+        {name: v for name, v in before.items() if "model." not in name}
+
+
+def test_a_complete_run_resumed_with_more_epochs_or_steps_trains_the_added_ones(tmp_path: Path) -> None:
+    spec = make_spec(tmp_path, checkpoint={"every_n_epochs": 1})
+    fit(spec)
+    more = make_spec(tmp_path, loop={"epochs": 3}, checkpoint={"every_n_epochs": 1})
+    result, job = fit(more, resume="auto")
+    assert sorted({call.step for call in job.fw.calls.micro}) == list(range(15, 22))
+    assert [r["epoch"] for r in records(spec, "epoch")] == [0, 1, 2] and saved_steps(spec)[-1] == 21
+    assert (result.global_step, result.epochs_done) == (21, 3)
+    capped = make_spec(tmp_path / "capped", loop={"max_steps": 5}, checkpoint={"every_n_steps": 5})
+    fit(capped)
+    _, job = fit(capped, resume="auto")
+    assert job.fw.calls.micro == [] and saved_steps(capped) == [5]  # complete at loop.max_steps
+    _, job = fit(make_spec(tmp_path / "capped", loop={"max_steps": 9}, checkpoint={"every_n_steps": 5}),
+                 resume="auto")
+    assert sorted({call.step for call in job.fw.calls.micro}) == [6, 7, 8, 9] and saved_steps(capped) == [5, 9]
 
 
 def test_resume_refuses_another_model_or_a_mid_epoch_batch_change(tmp_path: Path) -> None:

@@ -252,6 +252,16 @@ def test_validation_numbers_and_model_json_come_from_the_final_weights(tmp_path:
     assert model["spec_digest"] == spec.digest() and model["model_digest"] == spec.model_digest()
 
 
+def test_the_result_holds_plain_python_numbers(tmp_path: Path) -> None:
+    """Issue 36 item 4: a printed result read ``np.float64(0.0297…)``."""
+    result, _ = fit(make_spec(tmp_path, loop={"epochs": 2}))
+    assert "np." not in repr(result) and "numpy" not in repr(result)
+    floats = [result.train_loss, result.val_loss, result.val_accuracy, result.samples_per_s,
+              *result.val_metrics.values(), *(r[k] for r in result.history for k in ("train_loss", "val_loss"))]
+    ints = [result.global_step, result.epochs_done, *(r[k] for r in result.history for k in ("epoch", "step"))]
+    assert len(result.history) == 2 and {type(v) for v in floats} == {float} and {type(v) for v in ints} == {int}
+
+
 def test_a_regression_task_reports_no_accuracy(tmp_path: Path, shown: io.StringIO) -> None:
     spec = make_spec(tmp_path, data={"synthetic": {"task": "regression", "noise": 0.1}}, loop={"epochs": 1})
     result, _ = fit(spec, show_progress=True)

@@ -9,7 +9,6 @@ from typing import Any
 import tensorflow as tf
 
 from polytrain import objectives
-from polytrain.errors import SpecError
 from polytrain.user_code import call_user
 
 PerSample = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
@@ -59,15 +58,23 @@ METRICS: dict[str, PerSample] = {"accuracy": _correct, "top5_accuracy": _top5, "
 
 
 def _checked(fn: Any, field_name: str, name: str) -> PerSample:
-    """The user's function, held to one value per sample (checked when the step is traced)."""
+    """The user's function, given a single-output head's outputs shaped like the targets
+    (`polytrain.objectives.single_output`) and held to one value per sample (checked when the step is traced:
+    sizes TensorFlow does not know yet are shown as ``batch``)."""
     def per_sample(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        value = call_user(field_name, name, fn, out, y)
-        if not isinstance(value, (tf.Tensor, tf.Variable)) or value.shape.rank != 1:
-            shape = tuple(value.shape) if hasattr(value, "shape") else type(value).__name__
-            raise SpecError(f"{field_name}: {name} returned {shape}; it must return one value per sample, a "
-                            "tensor of shape (batch,) (not reduced to a mean or a sum)")
+        given = tf.squeeze(out, axis=-1) if objectives.single_output(_dims(out), _dims(y)) else out
+        value = call_user(field_name, name, fn, given, y)
+        tensor = isinstance(value, (tf.Tensor, tf.Variable))
+        if not tensor or value.shape.rank != 1 or not value.shape.is_compatible_with(y.shape[:1]):
+            returned = _dims(value) if tensor and value.shape.rank is not None else type(value).__name__
+            raise objectives.per_sample_error(field_name, name, returned, _dims(given), _dims(y))
         return tf.cast(value, tf.float32)
     return per_sample
+
+
+def _dims(t: tf.Tensor) -> tuple[int | None, ...]:
+    """A tensor's shape as a tuple, None where the size is not known yet (a traced batch); () for an unknown rank."""
+    return tuple(t.shape.as_list()) if t.shape.rank is not None else ()
 
 
 def loss_fn(name: str, live: Any = None) -> PerSample:

@@ -25,7 +25,6 @@ cached under ``~/.cache/polytrain/torch_extensions`` (``TORCH_EXTENSIONS_DIR``).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polytrain import jsonfiles
 from polytrain.adapters.torch.backend import TorchBackend
 from polytrain.backend_options import check_owned
 from polytrain.errors import BackendUnavailableError, SpecError
@@ -150,7 +150,7 @@ class DeepSpeedBackend(TorchBackend):
         if self.world.rank == 0:
             out = Path(self.spec.output)
             out.mkdir(parents=True, exist_ok=True)
-            (out / CONFIG_FILE).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+            (out / CONFIG_FILE).write_text(jsonfiles.dumps(self.config, indent=2, sort_keys=True) + "\n")
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         engine.set_gradient_accumulation_boundary(True)
         self.engine = engine

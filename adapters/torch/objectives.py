@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from polytrain import objectives
-from polytrain.errors import SpecError
 from polytrain.user_code import call_user
 
 PerSample = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,13 +60,14 @@ METRICS: dict[str, PerSample] = {"accuracy": _correct, "top5_accuracy": _top5, "
 
 
 def _checked(fn: Any, field_name: str, name: str) -> PerSample:
-    """The user's function, held to one value per sample (a clear error otherwise)."""
+    """The user's function, given a single-output head's outputs shaped like the targets
+    (`polytrain.objectives.single_output`) and held to one value per sample (a one-line error otherwise)."""
     def per_sample(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        value = call_user(field_name, name, fn, out, y)
+        given = out.squeeze(-1) if objectives.single_output(tuple(out.shape), tuple(y.shape)) else out
+        value = call_user(field_name, name, fn, given, y)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (len(y),):
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise SpecError(f"{field_name}: {name} returned {shape}; it must return one value per sample, a "
-                            f"tensor of shape ({len(y)},) for this batch (not reduced to a mean or a sum)")
+            returned = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise objectives.per_sample_error(field_name, name, returned, tuple(given.shape), tuple(y.shape))
         return value
     return per_sample
 

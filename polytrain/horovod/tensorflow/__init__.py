@@ -6,14 +6,14 @@ collectives are Horovod's; without it they run on MPI through mpi4py (under mpir
 ``_real`` and ``_shim``; both export the same names). ``DistributedGradientTape``,
 ``DistributedOptimizer`` and the Keras callbacks are always polytrain's: Horovod 0.28.1's own
 fail on Keras 3 variables. Keras lives in ``polytrain.horovod.tensorflow.keras`` (the same
-module as ``polytrain.horovod.keras``).
+module as ``polytrain.horovod.keras``); Horovod's helpers in ``util`` (``hvd.util._executing_eagerly()``).
 """
 
 from __future__ import annotations
 
 from polytrain.horovod.common import Adasum, Average, Max, Min, Product, Sum
 from polytrain.horovod.common.errors import HorovodArgumentError, HorovodUnsupportedError
-from polytrain.horovod.tensorflow import elastic
+from polytrain.horovod.tensorflow import elastic, util
 from polytrain.horovod.tensorflow._impl import (
     IMPL,
     ProcessSet,
@@ -106,5 +106,5 @@ __all__ = [
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
     "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op",
     "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline",
-    "stop_timeline",
+    "stop_timeline", "util",
 ]

@@ -17,6 +17,12 @@ step. The sums are then reset by assignment (never ``acc - acc``, which would le
 the next cycle starts from zero. Wrap a loss-scale optimizer inside, not around: outside, each
 rank would skip or apply on its own gradients' finiteness and the ranks' allreduces would no
 longer pair up.
+
+Horovod's Keras 2 optimizers also computed gradients (``_compute_gradients(loss, var_list,
+grad_loss=None, tape=None)``, ``compute_gradients``), which its tests and some scripts call
+before ``apply_gradients``. Here they return the gradients reduced as `apply` reduces them, and
+`apply` takes exactly those back without reducing them again: every gradient is reduced once,
+whichever way it came.
 """
 
 from __future__ import annotations
@@ -28,7 +34,21 @@ from polytrain.horovod.common import Average, HorovodArgumentError, Sum
 from polytrain.horovod.tensorflow import _impl
 from polytrain.horovod.tensorflow.compression import Compression
 from polytrain.horovod.tensorflow.gradient_tape import GradientReducer, resolve_groups
-from polytrain.horovod.tensorflow.variables import as_list, variable_key
+from polytrain.horovod.tensorflow.variables import as_list, backing_variable, variable_key
+
+
+class _HandedOut:
+    """The reduced gradients `DistributedOptimizer._compute_gradients` returned last, which `apply` takes as they
+    are (known by identity, so also while a ``tf.function`` is traced); held until then, so no identity is reused."""
+
+    def __init__(self) -> None:
+        self.grads: list = []
+
+    def take(self, grads: list) -> bool:
+        """Whether ``grads`` are the ones handed out (each non-None one, by identity); forgets them either way."""
+        handed, self.grads = self.grads, []
+        present = [g for g in grads if g is not None]
+        return bool(present) and len(present) == len(handed) and all(any(g is h for h in handed) for g in present)
 
 
 @keras.saving.register_keras_serializable(package="polytrain.horovod")
@@ -65,6 +85,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             groups=resolve_groups(num_groups, groups), process_set=process_set,
             scale_local_gradients=scale_local_gradients)
         self._accumulators: list = []
+        self._handed_out = _HandedOut()
 
     # ------------------------------------------------------------------ what the outside world sees
     @property
@@ -125,12 +146,51 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self.build(trainable_variables)
         if self.backward_passes_per_step > 1:
             return self._accumulate_and_apply(grads, trainable_variables)
-        return self.inner_optimizer.apply(self._reducer(grads, trainable_variables), trainable_variables)
+        if not self._handed_out.take(grads):  # those of _compute_gradients are reduced already
+            grads = self._reducer(grads, trainable_variables)
+        return self.inner_optimizer.apply(grads, trainable_variables)
 
-    def apply_gradients(self, grads_and_vars):
+    def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
+        """Apply ``(gradient, variable)`` pairs (reduced across processes once: see `apply`). ``name`` and
+        ``experimental_aggregate_gradients`` are Keras 2's, accepted for the scripts and tests written for Horovod
+        on it; they change nothing here."""
         grads, variables = zip(*grads_and_vars)
         self.apply(grads, variables)
         return self.iterations
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Horovod's (and Keras 2 optimizers') gradient computation: ``(gradient, variable)`` pairs of ``loss`` for
+        ``var_list`` (a list, nested lists, or a callable returning them), in `apply_gradients`' form.
+
+        ``loss`` is a callable, recorded on ``tape`` or on a new ``tf.GradientTape``, or a tensor ``tape`` recorded;
+        ``grad_loss`` the gradient of the loss, if not ones. The loss is scaled as the wrapped optimizer asks
+        (``scale_loss``: a ``LossScaleOptimizer``'s scale). The gradients are reduced across processes as `apply`
+        reduces them (local variables: divided by the size), and `apply` takes them back without reducing them
+        again. With ``backward_passes_per_step > 1`` they are this pass's own: `apply` sums the passes and reduces
+        the sum at the last one (Horovod returned the reduced sum at the last pass; the updates are the same).
+        """
+        if not callable(loss) and tape is None:
+            raise HorovodArgumentError("`tape` is required when a `Tensor` loss is passed.")
+        tape = tape if tape is not None else tf.GradientTape()
+        if callable(loss):
+            with tape:
+                if not callable(var_list):
+                    tape.watch([backing_variable(v) for v in tf.nest.flatten(var_list)])
+                loss = loss()
+                if callable(var_list):
+                    var_list = var_list()
+        with tape:
+            loss = self.scale_loss(loss)
+        variables = tf.nest.flatten(var_list)
+        grads = tape.gradient(loss, variables, output_gradients=grad_loss)
+        if self.backward_passes_per_step == 1:
+            grads = self._reducer(grads, variables)
+            self._handed_out.grads = [g for g in grads if g is not None]
+        return list(zip(grads, variables))
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """`_compute_gradients` without ``grad_loss`` (Horovod's public name)."""
+        return self._compute_gradients(loss, var_list, None, tape)
 
     def _accumulate_and_apply(self, grads, variables):
         index = {variable_key(v): i for i, v in enumerate(self._trainable_variables)}

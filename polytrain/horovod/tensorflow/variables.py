@@ -17,7 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 
-def _backing(var: Any) -> Any:
+def backing_variable(var: Any) -> Any:
     """The ``tf.Variable`` a Keras 3 variable holds (``var`` itself for anything else)."""
     inner = getattr(var, "_value", None)
     return inner if isinstance(inner, tf.Variable) and not isinstance(var, tf.Variable) else var
@@ -25,7 +25,7 @@ def _backing(var: Any) -> Any:
 
 def variable_key(var: Any) -> int:
     """The same key for a Keras 3 variable and for the ``tf.Variable`` it holds."""
-    return id(_backing(var))
+    return id(backing_variable(var))
 
 
 class VariableSet:
@@ -56,4 +56,4 @@ def as_list(items: Any) -> list:
     return list(items) if isinstance(items, (list, tuple)) else [items]
 
 
-__all__ = ["VariableSet", "as_list", "variable_key"]
+__all__ = ["VariableSet", "as_list", "backing_variable", "variable_key"]

@@ -60,6 +60,19 @@ def check_partial(per_rank: list[dict]) -> None:
     assert mine[0] != mine[1] and shared[0] == shared[1]
 
 
+def check_computed(per_rank: list[dict]) -> None:
+    """_compute_gradients returns the reduced gradients (local: own / size), and apply_gradients applies them as
+    they are: reduced again, the local layer's step would be divided by the size twice."""
+    mean = sum(r + 1 for r in range(NPROC)) / NPROC
+    for res in per_rank:
+        r, computed = res["rank"], res["computed"]
+        grads = by_layer(computed["grads"])
+        assert all(v == (r + 1) / NPROC for name, values in grads.items() if name.startswith("mine/") for v in values)
+        assert all(v == mean for name, values in grads.items() if name.startswith("shared/") for v in values)
+        for layer in ("mine", "shared"):  # the same step as apply's own reduction
+            assert by_layer(computed[layer]) == by_layer(res["partial"][layer])
+
+
 def check_aggregation(per_rank: list[dict]) -> None:
     """backward_passes_per_step=2; x gets inf on the last rank in pass 1, z nan on rank 0 in pass 2."""
     for res in per_rank:
@@ -95,4 +108,5 @@ def test_local_variables_partial_optimizer_and_nonfinite_aggregation(launch):
     check_broadcast_with_local_variables(per_rank)
     check_broadcast_variables(per_rank)
     check_partial(per_rank)
+    check_computed(per_rank)
     check_aggregation(per_rank)

@@ -8,6 +8,7 @@ Each rank prints ``RESULT <json>`` (see test_local_vars.py for what is asserted)
 * ``broadcast_variables``: ``hvd.broadcast_variables`` on ``model.variables`` (seed-generator state
   included) mixed with a plain ``tf.Variable``, eagerly and in a ``tf.function``;
 * ``partial``: one update of PartialDistributedOptimizer with every gradient equal to ``rank + 1``;
+* ``computed``: the same gradients from its ``_compute_gradients`` (a callable loss), then ``apply_gradients``;
 * ``aggregation``: backward_passes_per_step=2 with an inf gradient on the last rank only, with a
   plain SGD and with a LossScaleOptimizer wrapped inside.
 """
@@ -96,6 +97,19 @@ def partial_case(r: int, n: int) -> dict:
             "error": error}
 
 
+def computed_case(r: int, n: int) -> dict:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="mine"), keras.layers.Dense(2, name="shared")])
+    for var in model.weights:
+        var.assign(tf.zeros(var.shape))
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=model.get_layer("mine"))
+    weights = model.trainable_variables
+    grads_and_vars = opt._compute_gradients(lambda: float(r + 1) * tf.add_n([tf.reduce_sum(v) for v in weights]),
+                                            weights)
+    opt.apply_gradients(grads_and_vars)
+    return {"grads": {v.path: np.asarray(g).ravel().tolist() for g, v in grads_and_vars},
+            "mine": values(model.get_layer("mine").weights), "shared": values(model.get_layer("shared").weights)}
+
+
 def aggregation_case(r: int, n: int, loss_scale: bool) -> dict:
     inner = keras.optimizers.SGD(1.0)
     if loss_scale:
@@ -121,6 +135,7 @@ def main() -> None:
     res["fit"] = fit_case(r, n)
     res["broadcast_variables"] = broadcast_variables_case(r, n)
     res["partial"] = partial_case(r, n)
+    res["computed"] = computed_case(r, n)
     res["aggregation"] = aggregation_case(r, n, loss_scale=False)
     res["aggregation_loss_scale"] = aggregation_case(r, n, loss_scale=True)
     print("RESULT " + json.dumps(res), flush=True)
