@@ -58,9 +58,15 @@ BACKENDS = {  # name → spec settings
         "stage": 3, "config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}},
     "fsdp": {"backend": "fsdp", "fsdp": {"sharding": "full_shard"}},
 }
-FORMULA = {"ddp": lambda n: 16, "zero1": lambda n: 8 + 8 / n, "zero2": lambda n: 4 + 12 / n,
-           "zero3": lambda n: 16 / n, "fsdp": lambda n: 16 / n}  # bytes per parameter
+STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}  # the ZeRO stage each backend's states follow
 MASTER = {"zero1": 4, "zero2": 4, "zero3": 4}  # DeepSpeed's fp32 partition copy, bytes per parameter / N
+
+
+def formula(name: str, n: int) -> float:
+    """Bytes per parameter, fp32 Adam (`polytrain.plan.memory.zero_paper_bytes`: the planner's formula)."""
+    from polytrain.plan.memory import zero_paper_bytes
+
+    return zero_paper_bytes(STAGES[name], n)
 
 
 def make_spec(name: str, out: str, model: str = "mlp"):  # noqa: ANN201 - a TrainSpec
@@ -221,11 +227,11 @@ def main(argv: list[str]) -> None:
     for name, ranks in rows:
         worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
         total = worst["params"] + worst["grads"] + worst["optimizer_state"] + worst["master_copy"]
-        formula = FORMULA[name](NPROC) * psi
-        with_master = formula + MASTER.get(name, 0) * psi / NPROC
+        expected = formula(name, NPROC) * psi
+        with_master = expected + MASTER.get(name, 0) * psi / NPROC
         print(f"{name:8} {worst['params'] / mib:8.1f} {worst['grads'] / mib:8.1f} "
               f"{worst['optimizer_state'] / mib:8.1f} {worst['master_copy'] / mib:8.1f} {total / mib:8.1f} "
-              f"{formula / mib:8.1f} {total / formula:6.3f} {with_master / mib:8.1f} {total / with_master:6.3f} "
+              f"{expected / mib:8.1f} {total / expected:6.3f} {with_master / mib:8.1f} {total / with_master:6.3f} "
               f"{worst['other'] / mib:8.1f} {worst['peak_rss'] / mib:9.0f} "
               f"{(worst['peak_rss'] - worst['rss_at_build']) / mib:8.0f}")
 

@@ -1,0 +1,398 @@
+"""The model census behind `polytrain plan`: the spec's model built without memory, its parameters per block,
+and one traced forward (and, under tensor parallel, backward) per tensor-parallel degree.
+
+The model is built the way the Trainer builds it (the zoo, or ``package.module:factory``), under torch's
+`FakeTensorMode`: every tensor has a shape, a dtype and a (meta) storage, none has data. The traced forward runs
+the model and the spec's loss on fake inputs of 1 and 2 samples under the spec's autocast; saved-tensor hooks
+record every storage autograd keeps for the backward pass (parameters excluded), and module hooks say in which
+region it was saved: before the first declared block (``block_classes``), inside block ``i``, or after the last
+block (head and loss). What a run holds is linear in the batch, so the two traces give a constant and a
+per-sample part of each region, and of each block's input and output (what activation checkpointing keeps,
+and what a pipeline stage sends).
+
+Tensor parallel degrees ``T > 1`` are traced on the model split by the real plan (the zoo transformer's, or
+``parallel.tensor_plan``) over a fake process group of ``T`` ranks (nothing leaves the process): the census
+then holds tensor-parallel rank 0's local parameters and activations, and the bytes each DTensor collective of
+a forward and backward moves. Nothing here measures a real run; `polytrain.plan.memory` and `comms` turn the
+census into predictions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from polytrain.errors import SpecError
+from polytrain.spec import TrainSpec
+
+#: region of a saved tensor: before the first block, inside block i (0..n-1), after the last block
+PRE, POST = -1, 1 << 30
+TRACE_BATCHES = (1, 2)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter (a tied one once): its name, shape, element size, and the block holding it (None: outside)."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    block: int | None
+    #: elements of its gradient where that differs from the parameter's (a tensor-parallel gradient whose layout
+    #: is not the parameter's, seen in the traced backward)
+    grad_numel: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def grad_elements(self) -> int:
+        return self.numel if self.grad_numel is None else self.grad_numel
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``const + per_sample × batch`` bytes."""
+
+    const: float = 0.0
+    per_sample: float = 0.0
+
+    def at(self, batch: float) -> float:
+        return max(self.const + self.per_sample * batch, 0.0)
+
+    def __add__(self, other: Linear) -> Linear:
+        return Linear(self.const + other.const, self.per_sample + other.per_sample)
+
+
+def _fit(at1: float, at2: float) -> Linear:
+    return Linear(2 * at1 - at2, at2 - at1)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one forward keeps for the backward pass, per region, as a function of the batch (see the module)."""
+
+    pre: Linear
+    post: Linear
+    blocks: tuple[Linear, ...]  # saved inside block i
+    #: block i's input, unless saved before or after the blocks or as an earlier block's input: what activation
+    #: checkpointing keeps of the block
+    block_inputs: tuple[Linear, ...]
+    block_outputs: tuple[Linear, ...]  # block i's output (a pipeline stage boundary)
+    #: DTensor collectives of one forward and backward: kind ("allreduce", "allgather", "reducescatter") → bytes
+    collectives: dict[str, Linear] = field(default_factory=dict)
+    flops: Linear = Linear()  # of one forward and the loss (torch's FLOP counter; the whole model's at T = 1)
+
+    def total(self) -> Linear:
+        out = self.pre + self.post
+        for block in self.blocks:
+            out = out + block
+        return out
+
+
+@dataclass(frozen=True)
+class Census:
+    """The spec's model: parameters in order, the blocks, and a `Trace` per tensor-parallel degree."""
+
+    model: str
+    params: tuple[Param, ...]
+    n_blocks: int
+    embed: frozenset[str]  # names of the parameters of the modules ``embed`` uses (a pipeline's first stage)
+    buffer_bytes: int
+    sample_bytes: tuple[int, int]  # one sample's input and target, as the model gets them
+    traces: dict[int, Trace]  # tensor degree → trace (1: the whole model)
+    local_params: dict[int, tuple[Param, ...]]  # tensor degree → tensor rank 0's parameters (local shapes)
+    tensor_degrees: tuple[int, ...]  # those the model allows (1 always)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def embed_params(self) -> int:
+        return sum(p.numel for p in self.params if p.name in self.embed)
+
+    def block_sizes(self) -> list[int]:
+        sizes = [0] * self.n_blocks
+        for p in self.params:
+            if p.block is not None:
+                sizes[p.block] += p.numel
+        return sizes
+
+
+def model_info(spec: TrainSpec) -> Any:
+    """The `DatasetInfo` the model is built for (reads the spec's data as the Trainer does)."""
+    from polytrain import registry
+
+    return registry.open_data(spec).info
+
+
+def build_fake(spec: TrainSpec, info: Any) -> Any:
+    """The spec's torch model with fake tensors (call under a `FakeTensorMode`)."""
+    from polytrain.adapters.torch.models import build_model
+    from polytrain.zoo import model_params
+
+    name, params = spec.model.name, spec.model.params
+    if name == "transformer":
+        from polytrain.adapters.torch.transformer import build_transformer
+
+        return build_transformer(model_params(name, params), info)
+    return build_model(name, params, info)
+
+
+def _blocks(model: Any, spec: TrainSpec) -> list[Any]:
+    from polytrain.adapters.torch.execution import block_modules
+
+    outer: list[Any] = []
+    inside: set[int] = set()
+    for block in block_modules(model, spec.fsdp.units):
+        if id(block) not in inside:
+            inside.update(id(m) for m in block.modules())
+            outer.append(block)
+    return outer
+
+
+def _local(t: Any) -> Any:
+    return getattr(t, "_local_tensor", t)
+
+
+def _storage_key(t: Any) -> tuple[int, int]:
+    storage = _local(t).untyped_storage()
+    return storage._cdata, storage.nbytes()
+
+
+def _params(model: Any, blocks: list[Any]) -> tuple[Param, ...]:
+    owner = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    out = []
+    for name, p in model.named_parameters():
+        grad = None if p.grad is None else _local(p.grad).numel()
+        shape = tuple(_local(p).shape)
+        param = Param(name, shape, p.element_size(), owner.get(id(p)))
+        out.append(param if grad in (None, param.numel) else Param(name, shape, p.element_size(), param.block, grad))
+    return tuple(out)
+
+
+def _example(info: Any, batch: int) -> tuple[Any, Any]:
+    import torch
+
+    if info.task == "next_token":
+        return tuple(torch.zeros((batch, *info.input_shape), dtype=torch.long) for _ in range(2))
+    x = torch.zeros((batch, *info.input_shape))
+    y = torch.zeros((batch,), dtype=torch.long) if info.task == "classification" else torch.zeros((batch, 1))
+    return x, y
+
+
+class _Recorder:
+    """Saved-tensor and module hooks of one traced forward (see the module's docstring)."""
+
+    def __init__(self, model: Any, blocks: list[Any]) -> None:
+        self.params = {_storage_key(p)[0] for p in model.parameters()}
+        self.region = PRE
+        self.saved: dict[int, tuple[int, int]] = {}  # storage → (bytes, region)
+        self.inputs: list[tuple[int, int]] = []
+        self.outputs: list[int] = []
+        self.handles = []
+        for i, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args)))
+            self.handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._leave(i, out)))
+        self.n_blocks = len(blocks)
+
+    def _enter(self, i: int, args: Any) -> None:
+        self.region = i
+        self.inputs.append(_storage_key(args[0]))
+
+    def _leave(self, i: int, out: Any) -> None:
+        self.region = POST if i == self.n_blocks - 1 else i
+        self.outputs.append(_local(out).numel() * _local(out).element_size())
+
+    def pack(self, t: Any) -> Any:
+        key, nbytes = _storage_key(t)
+        if key not in self.params and key not in self.saved:
+            self.saved[key] = (nbytes, self.region)
+        return t
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def regions(self) -> dict[str, Any]:
+        pre = sum(n for n, r in self.saved.values() if r == PRE)
+        post = sum(n for n, r in self.saved.values() if r == POST)
+        inside = [sum(n for n, r in self.saved.values() if r == i) for i in range(self.n_blocks)]
+        kept = {key for key, (_, r) in self.saved.items() if r in (PRE, POST)}
+        inputs = []
+        for key, n in self.inputs[:self.n_blocks]:
+            inputs.append(0 if key in kept else n)
+            kept.add(key)
+        outputs = list(self.outputs[:self.n_blocks])
+        return {"pre": pre, "post": post, "inside": inside, "inputs": inputs, "outputs": outputs}
+
+
+COLLECTIVE_KINDS = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
+                    "reduce_scatter_tensor": "reducescatter", "all_reduce_coalesced": "allreduce",
+                    "all_gather_into_tensor_coalesced": "allgather", "reduce_scatter_tensor_coalesced": "reducescatter"}
+
+
+def _collective_counter() -> Any:
+    """A dispatch mode adding up the bytes of each functional collective (what DTensor issues)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            kind = COLLECTIVE_KINDS.get(func._schema.name.split("::")[-1]) \
+                if func.namespace == "_c10d_functional" else None
+            if kind is not None:
+                # the full tensor: an all-gather's output, a reduction's input
+                full = out if kind == "allgather" else args[0]
+                tensors = full if isinstance(full, (list, tuple)) else [full]
+                self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    return Counter()
+
+
+def _trace_once(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], batch: int,
+                backward: bool) -> tuple[dict[str, Any], dict[str, int]]:
+    import torch
+
+    from polytrain import objectives
+    from polytrain.adapters.torch.objectives import loss_fn
+
+    loss = loss_fn(objectives.loss_name(spec.loss, info.task), None)
+    x, y = _example(info, batch)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    from torch.utils.flop_counter import FlopCounterMode
+
+    recorder = _Recorder(model, blocks)
+    counter = _collective_counter() if backward else FlopCounterMode(display=False)
+    try:
+        with counter:
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+                with autocast:
+                    out = model(x)
+                value = loss(out.float(), y).sum()
+            if backward:
+                value.backward()
+    finally:
+        recorder.close()
+    found = dict(counter.bytes) if backward else {"flops": counter.get_total_flops()}
+    return recorder.regions(), found
+
+
+def _trace(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], backward: bool) -> Trace:
+    (r1, c1), (r2, c2) = (_trace_once(spec, info, model, blocks, b, backward) for b in TRACE_BATCHES)
+
+    def each(key: str) -> tuple[Linear, ...]:
+        return tuple(_fit(a, b) for a, b in zip(r1[key], r2[key]))
+
+    flops = _fit(c1.pop("flops", 0), c2.pop("flops", 0))
+    kinds = sorted(set(c1) | set(c2))
+    return Trace(pre=_fit(r1["pre"], r2["pre"]), post=_fit(r1["post"], r2["post"]), blocks=each("inside"),
+                 block_inputs=each("inputs"), block_outputs=each("outputs"),
+                 collectives={k: _fit(c1.get(k, 0), c2.get(k, 0)) for k in kinds}, flops=flops)
+
+
+def tensor_degrees(spec: TrainSpec, world_size: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees above 1 the model allows at ``world_size`` ranks (`polytrain.layout`'s rules)."""
+    from polytrain.layout import ParallelSpec, check_model
+
+    found = []
+    for t in range(2, world_size + 1):
+        if world_size % t:
+            continue
+        parallel = ParallelSpec(tensor=t, tensor_plan=spec.parallel.tensor_plan)
+        try:
+            check_model(parallel, spec.model.name, spec.model.params)
+        except SpecError:
+            continue
+        if spec.model.name != "transformer" and parallel.tensor_plan is None:
+            continue
+        found.append(t)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def _fake_group(size: int) -> Iterator[Any]:
+    """A process group of ``size`` ranks that moves nothing (torch's fake backend), this process rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise SpecError("plan: a process group already exists in this process; run polytrain plan on its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield init_device_mesh("cpu", (size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _split_model(spec: TrainSpec, info: Any, degree: int, mesh: Any) -> Any:
+    from dataclasses import replace
+
+    from polytrain.adapters.torch.parallel.tensor import apply_tensor_parallel
+
+    model = build_fake(spec, info)
+    apply_tensor_parallel(replace(spec, parallel=replace(spec.parallel, tensor=degree)), model, mesh)
+    return model
+
+
+def _embed_names(model: Any, info: Any) -> frozenset[str]:
+    if not (callable(getattr(model, "embed", None)) and callable(getattr(model, "finish", None))):
+        return frozenset()
+    from polytrain.adapters.torch.parallel.pipeline import embed_modules, example_input
+
+    used = embed_modules(model, example_input(info))
+    return frozenset(f"{name}.{p}" for name in used for p, _ in getattr(model, name).named_parameters())
+
+
+def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None = None) -> Census:
+    """The census of ``spec``'s model for a job of ``world_size`` ranks (see the module's docstring);
+    ``degrees``: the tensor degrees to trace (default: every one the model allows at that size)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from polytrain.zoo import ZOO
+
+    if spec.framework != "torch" and spec.model.name not in ZOO:
+        raise SpecError(f"model.name: plan sizes TensorFlow specs through the zoo's PyTorch twin; {spec.model.name!r} "
+                        f"is not a zoo model")
+    info = model_info(spec)
+    degrees = tensor_degrees(spec, world_size) if degrees is None else tuple(degrees)
+    try:
+        from torch.testing._internal.distributed import fake_pg  # noqa: F401 - torch's fake process group
+    except ImportError:  # a torch without it: no tensor-parallel rows
+        degrees = ()
+    traces, local = {}, {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = build_fake(spec, info)
+        if not isinstance(model, torch.nn.Module):
+            raise SpecError(f"model.name: {spec.model.name} returned {type(model).__name__}, not a torch.nn.Module")
+        blocks = _blocks(model, spec)
+        params = _params(model, blocks)
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        embed = _embed_names(model, info)
+        sample = tuple(t.numel() * t.element_size() for t in _example(info, 1))
+        traces[1], local[1] = _trace(spec, info, model, blocks, backward=False), params
+    for degree in degrees:
+        with _fake_group(degree) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
+            split = _split_model(spec, info, degree, mesh)
+            split_blocks = _blocks(split, spec)
+            traces[degree] = _trace(spec, info, split, split_blocks, backward=True)
+            local[degree] = _params(split, split_blocks)  # after the traced backward: gradients' layouts known
+    return Census(model=spec.model.name, params=params, n_blocks=len(blocks), embed=embed,
+                  buffer_bytes=buffers, sample_bytes=sample, traces=traces, local_params=local,
+                  tensor_degrees=(1, *degrees))
+
