@@ -100,11 +100,11 @@ def test_preflight_reasons() -> None:
 
 # ------------------------------------------------------------------ arithmetic
 def test_memory_formulas_match_the_cpu_bench() -> None:
-    from bench.sharded_memory import FORMULA, MASTER
+    from bench.sharded_memory import MASTER, formula  # the planner's formula (polytrain.plan.memory)
 
     for n in range(1, 9):
         for name in arith.MEMORY_BACKENDS:
-            assert arith.bytes_per_param(name, n) == pytest.approx(FORMULA[name](n))
+            assert arith.bytes_per_param(name, n) == pytest.approx(formula(name, n))
     assert arith.MASTER_COPY == MASTER
     assert [arith.bytes_per_param(b, 2) for b in arith.MEMORY_BACKENDS] == [16.0, 12.0, 10.0, 8.0, 8.0]
     assert arith.bytes_per_param("zero3", 4) == 4.0 and arith.bytes_per_param("zero2", 4) == 7.0

@@ -3,7 +3,8 @@
 - memory: the ZeRO paper's bytes per parameter for fp32 Adam (4Ψ parameters + 4Ψ gradients + 8Ψ
   moments = 16Ψ), per rank of N: DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 and FSDP
   full_shard 16Ψ/N; DeepSpeed's fp32 master copy of a rank's partition adds 4Ψ/N where it keeps one
-  (the same numbers as ``bench/sharded_memory.py``'s ``FORMULA`` and ``MASTER``);
+  (the same numbers as ``bench/sharded_memory.py``'s ``formula`` — `polytrain.plan.memory.zero_paper_bytes` —
+  and ``MASTER``);
 - speed: training FLOPs of the zoo's transformer per token, 6 × (matrix-multiply parameters) + 12 ×
   layers × d_model × sequence length for attention (PaLM's convention, causal masking not discounted),
   and model FLOP utilisation against the GPU's dense bf16 peak;
