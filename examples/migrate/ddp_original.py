@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (see the end of main)
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from digits_task import CLIP, EPOCHS, GLOBAL_BATCH, LR, MOMENTUM, SEED, datasets, make_model, write_result
@@ -46,6 +47,13 @@ def main(rank: int, world_size: int, port: int, out: str) -> None:
 
     if rank == 0:
         write_result(out, losses, norms, model.module.state_dict())
+    # A clean exit. gloo's threads run until nothing holds the process group: DDP holds it, and so would the
+    # defaults of torch.distributed.nn had DDP imported it after init_process_group (hence the import at the top).
+    # Left running into interpreter shutdown, a thread that frees a tensor there aborts the process (SIGABRT after
+    # a finished run: a rank of this script did so in two of three runs of the whole test suite here). With the
+    # model let go first, destroy_process_group joins those threads now, while `mean`, the last collective's
+    # tensor, is still alive (so freeing it needs no interpreter lock).
+    del model, optimizer
     dist.destroy_process_group()
 
 
