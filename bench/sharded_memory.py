@@ -84,7 +84,9 @@ def _local(t):  # noqa: ANN001, ANN202 - a DTensor's shard, or the tensor itself
     return getattr(t, "_local_tensor", t)
 
 
-def _storages(tensors) -> dict[int, int]:  # noqa: ANN001
+def storages(tensors) -> dict[int, int]:  # noqa: ANN001
+    """The distinct storages under ``tensors`` (DTensors by their local shard; None and meta tensors skipped):
+    data pointer → bytes."""
     out: dict[int, int] = {}
     for t in tensors:
         if t is None:
@@ -109,10 +111,11 @@ def census() -> dict[int, int]:
                 found.append(obj)
         except ReferenceError:
             continue
-    return _storages(found)
+    return storages(found)
 
 
-def _inner_optimizer(optimizer):  # noqa: ANN001, ANN202 - DeepSpeed wraps the torch optimizer
+def inner_optimizer(optimizer):  # noqa: ANN001, ANN202 - DeepSpeed wraps the torch optimizer
+    """The torch optimizer inside the wrappers around it."""
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
@@ -133,8 +136,8 @@ def classify(fw, backend, before: dict[int, int]) -> dict[str, int]:  # noqa: AN
 
     module = backend.unwrap(fw.model)
     params = [p for p in module.parameters()] + [p.ds_tensor for p in module.parameters() if hasattr(p, "ds_tensor")]
-    inner = _inner_optimizer(fw.optimizer)
-    param_ptrs = _storages(params)
+    inner = inner_optimizer(fw.optimizer)
+    param_ptrs = storages(params)
     flat = [p for g in inner.param_groups for p in g["params"]]
     flat += list(getattr(fw.optimizer, "fp32_partitioned_groups_flat", []))  # ZeRO-3 keeps them out of the groups
     master = [p for p in flat if _local(p).untyped_storage().data_ptr() not in param_ptrs]
@@ -142,8 +145,8 @@ def classify(fw, backend, before: dict[int, int]) -> dict[str, int]:  # noqa: AN
     states = [v for slots in inner.state.values() for v in slots.values() if torch.is_tensor(v) and v.ndim > 0]
     seen: set[int] = set()
     sizes = {}
-    for key, group in (("params", param_ptrs), ("optimizer_state", _storages(states)),
-                       ("master_copy", _storages(master)), ("grads", _storages(grads))):
+    for key, group in (("params", param_ptrs), ("optimizer_state", storages(states)),
+                       ("master_copy", storages(master)), ("grads", storages(grads))):
         group = {p: n for p, n in group.items() if p not in seen}
         seen.update(group)
         sizes[key] = sum(group.values())

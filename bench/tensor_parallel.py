@@ -44,6 +44,7 @@ from typing import Any
 
 from group_run import run_group  # bench/, first on sys.path
 from lm_job import SEQ, VOCAB, open_lm_job  # bench/, first on sys.path
+from sharded_memory import inner_optimizer  # bench/, first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 LM = {"d_model": 256, "n_heads": 8, "n_layers": 4, "tie_weights": False}
@@ -59,12 +60,6 @@ def _replicated(p: Any) -> bool:
     return placements is None or all(pl.is_replicate() for pl in placements)
 
 
-def _inner_optimizer(optimizer: Any) -> Any:
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 def measure(job: Any) -> dict[str, Any]:
     """This rank's parameter and optimizer-state bytes (local shards), and which parameters are whole here."""
     import torch
@@ -73,7 +68,7 @@ def measure(job: Any) -> dict[str, Any]:
     params = dict(module.named_parameters())
     param_bytes = sum(_local(p).numel() * _local(p).element_size() for p in params.values())
     whole = {name: p.numel() for name, p in params.items() if _replicated(p)}
-    state = _inner_optimizer(job.fw.optimizer).state
+    state = inner_optimizer(job.fw.optimizer).state
     tensors = [_local(v) for slots in state.values() for v in slots.values() if torch.is_tensor(v)]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     return {"params": param_bytes, "state": state_bytes, "numel": sum(p.numel() for p in params.values()),

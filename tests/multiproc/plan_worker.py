@@ -22,6 +22,10 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # bench/ is a folder of the repository, not installed
+
+from bench.sharded_memory import inner_optimizer, storages  # noqa: E402
+
 MLP = {"model": {"name": "mlp", "params": {"hidden_sizes": [96, 80]}},
        "data": {"name": "synthetic", "batch_size": 8, "synthetic": {"features": 48, "classes": 6, "samples": 64}}}
 LM = {"model": {"name": "transformer", "params": {"d_model": 64, "n_heads": 4, "n_layers": 2, "tie_weights": False}},
@@ -123,26 +127,6 @@ class SavedPeak:
             self.live[key] = (size, count - 1)
 
 
-def _storages(tensors: Any) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        t = getattr(t, "_local_tensor", t)
-        if t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes():
-            out[storage.data_ptr()] = storage.nbytes()
-    return out
-
-
-def _inner(optimizer: Any) -> Any:
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 def model_states(module: Any, optimizer: Any) -> dict[str, int]:
     """Parameters (ZeRO-3's partitions too), gradients (ZeRO's reduced partitions too), optimizer state and
     master copies this rank holds, each storage counted once, in that order of precedence."""
@@ -150,8 +134,8 @@ def model_states(module: Any, optimizer: Any) -> dict[str, int]:
 
     params = list(module.parameters())
     params += [p.ds_tensor for p in module.parameters() if hasattr(p, "ds_tensor")]
-    param_ptrs = _storages(params)
-    inner = _inner(optimizer)
+    param_ptrs = storages(params)
+    inner = inner_optimizer(optimizer)
     flat = [p for g in inner.param_groups for p in g["params"]]
     flat += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
     master = [p for p in flat if getattr(p, "_local_tensor", p).untyped_storage().data_ptr() not in param_ptrs]
@@ -165,8 +149,8 @@ def model_states(module: Any, optimizer: Any) -> dict[str, int]:
     states = [v for slots in inner.state.values() for v in slots.values() if torch.is_tensor(v) and v.ndim > 0]
     seen: set[int] = set()
     sizes = {}
-    for key, group in (("params", param_ptrs), ("optimizer", _storages(states)), ("master", _storages(master)),
-                       ("grads", _storages(grads))):
+    for key, group in (("params", param_ptrs), ("optimizer", storages(states)), ("master", storages(master)),
+                       ("grads", storages(grads))):
         group = {p: n for p, n in group.items() if p not in seen}
         seen.update(group)
         sizes[key] = sum(group.values())
