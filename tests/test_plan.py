@@ -219,6 +219,9 @@ def test_command_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path) ->
     (["-np", "2", "--link", "wan=3"], "--link: expected intra=GB/s"),
     (["-np", "0"], "-np: expected a positive number of ranks"),
     (["-np", "4", "--nodes", "3"], "--nodes: 3 must be positive and divide -np 4"),
+    # checked before a --probe run is started (its launcher here would fail first)
+    (["-np", "4", "--nodes", "3", "--probe", "--launcher", "nope"], "--nodes: 3 must be positive and divide -np 4"),
+    (["-np", "2", "--device-tflops", "0", "--probe", "--launcher", "nope"], "--device-tflops: expected a positive"),
     (["-np", "2", "--set", "model.name=nope"], "model.name: unknown model"),
 ])
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], words: str) -> None:

@@ -57,19 +57,24 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def check_numbers(world: int, nodes: int, tflops: float) -> None:
+    """-np, --nodes and --device-tflops, before any work (the census, a --probe run) is spent on them."""
+    if world < 1:
+        raise SpecError(f"-np: expected a positive number of ranks, got {world}")
+    if nodes < 1 or world % nodes:
+        raise SpecError(f"--nodes: {nodes} must be positive and divide -np {world} (the same ranks on every node)")
+    if not tflops > 0:
+        raise SpecError(f"--device-tflops: expected a positive number, got {tflops}")
+
+
 def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, census: Any = None,
          tflops: float = DEFAULT_TFLOPS) -> dict[str, Any]:
     """Every candidate's prediction, ranked, and the recommendation (a JSON-ready document); ``census``: one taken
     already for this spec and world size (`census.take_census`)."""
     from polytrain.plan.census import take_census
 
-    if world < 1:
-        raise SpecError(f"-np: expected a positive number of ranks, got {world}")
-    if nodes < 1 or world % nodes:
-        raise SpecError(f"--nodes: {nodes} must be positive and divide -np {world} (the same ranks on every node)")
+    check_numbers(world, nodes, tflops)
     census = census or take_census(spec, world)
-    if not tflops > 0:
-        raise SpecError(f"--device-tflops: expected a positive number, got {tflops}")
     # every layout trains on the global batch the spec means on ``world`` data-parallel ranks
     samples = global_batch(spec.data.batch_size, spec.data.global_batch_size, world, spec.loop.grad_accum_steps)
     predictions = [predict(spec, census, layout, world, nodes, link, tflops=tflops, step_samples=samples)
@@ -160,11 +165,10 @@ def plan_from_args(args: argparse.Namespace) -> int:
     limit = parse_size(args.device_memory)
     link = parse_link(args.link) if args.link is not None else Link()
     spec = validation.load(args.spec, args.set or ())
+    check_numbers(args.nproc, args.nodes, args.device_tflops)
     if args.probe:
         from polytrain.plan.probe import probe_link
 
-        if args.nproc < 1:
-            raise SpecError(f"-np: expected a positive number of ranks, got {args.nproc}")
         link = probe_link(args.nproc, args.launcher, args.hosts, link)
     doc = plan(spec, args.nproc, args.nodes, limit, link, tflops=args.device_tflops)
     print(json.dumps(doc, indent=2) if args.json else table(doc))
