@@ -214,14 +214,11 @@ def model_states(layout: Layout, params: Sequence[Param], precision: Precision, 
     if layout.backend == "fsdp":
         shard = fsdp_shard(params, fsdp_groups(layout, options.get("per_node"))[0])
         states = 4 * shard + 4 * shard + s * shard
-        groups = units(params)
+        sizes = sorted((sum(p.numel for p in u) for u in units(params)), reverse=True)  # elements per unit
+        largest = sizes[0] if sizes else 0
         compute = 4 if precision.name == "fp32" else 2
-        largest = max((sum(p.numel for p in u) for u in groups), default=0)
-        if layout.sharding == "shard_grad_op":
-            out.temporary["unsharded parameters"] = compute * n
-        else:
-            second = sorted((sum(p.numel for p in u) for u in groups), reverse=True)[1:2]
-            out.temporary["unsharded parameters"] = compute * (largest + sum(second))
+        # shard_grad_op keeps every unit gathered; the others, at most the two largest at once (prefetch)
+        out.temporary["unsharded parameters"] = compute * (n if layout.sharding == "shard_grad_op" else sum(sizes[:2]))
         reduce = 4 if options.get("reduce_fp32", True) or precision.name == "fp32" else 2
         out.temporary["reduce-scatter input"] = reduce * largest
         if layout.offload:
