@@ -42,10 +42,20 @@ def _check_writable(flag: str, path: str) -> None:
                         f"{exc.strerror or exc}); give a path in a writable directory") from None
 
 
+def _profile_sets(value: str | None) -> list[str]:
+    """``--profile FIRST:LAST`` as the spec's ``profile.steps`` (the table's other fields keep their values)."""
+    if value is None:
+        return []
+    first, colon, last = value.partition(":")
+    if not (colon and first.strip().isdigit() and last.strip().isdigit()):
+        raise UserError(f"--profile {value}: expected FIRST:LAST, two optimizer step numbers (e.g. --profile 5:8)")
+    return [f"profile.steps=[{int(first)},{int(last)}]"]
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from polytrain import validation
 
-    spec = validation.load(args.spec, args.set or ())
+    spec = validation.load(args.spec, [*(args.set or ()), *_profile_sets(args.profile)])
     if args.timeline:
         _check_writable("--timeline", args.timeline)
     if not args.debug:
@@ -180,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--timeline", metavar="FILE",
                        help="write a Chrome-trace timeline of every rank (compute, collectives, optimizer, data, "
                             "checkpoints) to FILE; open it in https://ui.perfetto.dev")
+    train.add_argument("--profile", metavar="FIRST:LAST",
+                       help="run the framework's profiler (torch.profiler, tf.profiler) over optimizer steps FIRST to "
+                            "LAST, as the spec's profile table; traces under <output>/profile")
     train.set_defaults(func=_cmd_train)
 
     launch = sub.add_parser("launch", help="build and run the launcher command line for N processes")

@@ -118,6 +118,9 @@ def collect() -> dict[str, Any]:
         "accelerators": accelerators(),
         "backends": backends,
         "data_sources": data_sources(),
+        "trackers": {name: {"version": next(filter(None, map(_version, entry.distributions)), None),
+                            "why_not": entry.unusable_reason()}
+                     for name, entry in registry.TRACKERS.items()},
     }
 
 
@@ -144,7 +147,9 @@ def to_table(report: dict[str, Any]) -> str:
     for row in report["backends"]:
         usable = "yes" if row["usable"] else f"no: {row['why_not']}"
         lines.append(f"  {row['backend']:<16} {row['framework']:<11} {usable}")
-    return "\n".join([*lines, "", *data_table(report)])
+    trackers = [f"  {name:<12} {row['version'] if row['why_not'] is None else 'no: ' + row['why_not']}"
+                for name, row in report["trackers"].items()]
+    return "\n".join([*lines, "", *data_table(report), "", "trackers (spec logging.<name>):", *trackers])
 
 
 def data_table(report: dict[str, Any]) -> list[str]:

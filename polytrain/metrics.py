@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import csv
-import math
+import csv as csv_module
 import os
 import sys
 import time
@@ -11,31 +10,31 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from polytrain import jsonfiles
+from polytrain.trackers import SCALAR_TAGS, Trackers, scalars
 
-# The same tags for every framework and backend, so runs overlay in one TensorBoard.
-SCALAR_TAGS = {
-    "step": {"loss": "train/loss", "lr": "train/lr", "samples_per_s": "train/samples_per_s",
-             "loss_scale": "train/loss_scale", "skipped_steps": "train/skipped_steps"},
-    "epoch": {"train_loss": "epoch/train_loss", "val_loss": "val/loss", "val_accuracy": "val/accuracy"},
-}
 CSV_COLUMNS = ("event", "time", "step", "epoch", "loss", "lr", "samples_per_s", "train_loss", "val_loss",
                "val_accuracy")
 
 
 class MetricsLog:
-    """Rank 0's record of a run: ``metrics.jsonl``, ``metrics.csv`` and TensorBoard events in ``tb/``.
+    """Rank 0's record of a run: ``metrics.jsonl``, ``metrics.csv`` and TensorBoard events in ``tb/`` (the spec's
+    ``logging.csv``/``logging.tensorboard`` switch the last two off), and every record passed on to ``trackers``
+    (`polytrain.trackers.Trackers`: W&B, MLflow), which a run sets once they have started.
 
     Other ranks get a log whose ``path`` is None: every call is a no-op. The files are opened at the first
     record, so a run that writes none (a resumed run that was already complete) leaves them as they were.
     ``metrics.jsonl`` is strict JSON (`polytrain.jsonfiles`: a non-finite number is ``null``); TensorBoard gets
-    finite values only. TensorBoard events are written with tensorboardX (a maintained writer) when it is
-    installed.
+    finite values only, under the tags of `polytrain.trackers.SCALAR_TAGS`. TensorBoard events are written with
+    tensorboardX (a maintained writer) when it is installed.
     """
 
-    def __init__(self, path: Path | None, tensorboard: bool = True) -> None:
+    def __init__(self, path: Path | None, tensorboard: bool = True, csv: bool = True) -> None:
         self.path = path
         self.tensorboard = tensorboard
+        self.csv = csv
+        self.trackers = Trackers()
         self._file: TextIO | None = None
+        self._csv_file: TextIO | None = None
         self._csv: Any = None
         self._tb: Any = None
         self._closed = False
@@ -43,12 +42,13 @@ class MetricsLog:
     def _open(self, path: Path) -> TextIO:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", buffering=1)
-        csv_path = path.with_suffix(".csv")
-        new_csv = not csv_path.exists()
-        self._csv_file = csv_path.open("a", newline="", buffering=1)
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        if new_csv:
-            self._csv.writeheader()
+        if self.csv:
+            csv_path = path.with_suffix(".csv")
+            new_csv = not csv_path.exists()
+            self._csv_file = csv_path.open("a", newline="", buffering=1)
+            self._csv = csv_module.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+            if new_csv:
+                self._csv.writeheader()
         if self.tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -63,24 +63,22 @@ class MetricsLog:
         file = self._file or self._open(self.path)
         record = {"event": event, "time": round(time.time(), 3), **fields}
         file.write(jsonfiles.dumps(record) + "\n")  # a diverged loss is null, never a bare NaN
-        if event in SCALAR_TAGS:
+        if event in SCALAR_TAGS and self._csv is not None:
             self._csv.writerow(record)
-            if self._tb is not None:
-                tags = dict(SCALAR_TAGS[event])
-                if event == "epoch":  # every metric the spec asked for: val_<name> -> val/<name>
-                    tags.update({k: f"val/{k.removeprefix('val_')}" for k in fields if k.startswith("val_")})
-                for key, tag in tags.items():
-                    value = fields.get(key)
-                    if isinstance(value, (int, float)) and math.isfinite(value):  # TensorBoard refuses NaN/inf
-                        self._tb.add_scalar(tag, value, global_step=int(fields.get("step", 0)))
+        if self._tb is not None:
+            for tag, value in scalars(event, fields).items():  # finite only: TensorBoard refuses NaN/inf
+                self._tb.add_scalar(tag, value, global_step=int(fields.get("step", 0)))
+        self.trackers.record(event, fields)
 
     def close(self) -> None:
         """Close the files; later records are not written."""
         self._closed = True
         if self._file is not None:
             self._file.close()
-            self._csv_file.close()
             self._file = None
+        if self._csv_file is not None:
+            self._csv_file.close()
+            self._csv_file = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

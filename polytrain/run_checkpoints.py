@@ -28,6 +28,7 @@ from polytrain.metrics import MetricsLog, Progress
 from polytrain.protocols import Backend, Framework
 from polytrain.spec import TrainSpec
 from polytrain.timeline import Timeline
+from polytrain.trackers import Trackers
 from polytrain.trainer_state import Position, Steps, TrainResult
 from polytrain.version import __version__
 from polytrain.watchdog import Activity
@@ -70,6 +71,9 @@ class RunCheckpoints:
         self.owner = ckpt.Owner(ckpt.new_run_id())
         #: the step of the last resumable checkpoint written (not counting best/)
         self.last_saved: int | None = None
+        #: rank 0's tracker runs by tracker name, kept in every checkpoint; those a resumed checkpoint kept
+        self.trackers = Trackers()
+        self.resumed_trackers: dict[str, str] = {}
 
     @property
     def enabled(self) -> bool:
@@ -154,6 +158,7 @@ class RunCheckpoints:
                 f"--resume: {path} was written by a different model/data/seed (model digest "
                 f"{manifest.get('model_digest')} vs this spec's {self.spec.model_digest()}); resume it with the "
                 f"spec that wrote it (saved in its manifest.json), or start without --resume")
+        self.resumed_trackers = dict(manifest.get("trackers") or {})
         run_id = manifest.get(ckpt.RUN_KEY)  # the same run goes on; before run ids: its checkpoints of this model
         self.owner = ckpt.Owner(run_id) if run_id else ckpt.Owner(self.owner.run_id, self.spec.model_digest())
         # rank 0's verdict (its files are the ones it recorded), the same on every rank
@@ -293,6 +298,7 @@ class RunCheckpoints:
             "model_digest": self.spec.model_digest(), ckpt.RUN_KEY: self.owner.run_id,
             "framework": self.spec.framework,
             "backend": self.backend.name, "world_size": self.world.size, "versions": library_versions(),
+            "trackers": self.trackers.ids(),
         }
 
     # ------------------------------------------------------------------ the final model

@@ -77,6 +77,9 @@ def coerce(value: Any, tp: Any, where: str, choices: Mapping[str, Sequence[Any]]
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        tables = [arg for arg in args if dataclasses.is_dataclass(arg)]
+        if len(tables) == 1 and isinstance(value, Mapping):  # a table: its own field's error, not "expected ..."
+            return coerce(value, tables[0], where, choices)
         for arg in args:
             if arg is type(None):
                 continue

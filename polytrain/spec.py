@@ -20,6 +20,7 @@ from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import SpecError
 from polytrain.layout import ParallelSpec
 from polytrain.schema import rule
+from polytrain.spec_sinks import LoggingSpec, ProfileSpec
 
 FRAMEWORKS = ("torch", "tensorflow")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -229,6 +230,10 @@ class TrainSpec:
     fsdp: FSDPSpec = field(default_factory=FSDPSpec)
     deepspeed: DeepSpeedSpec = field(default_factory=DeepSpeedSpec)
     horovod: HorovodSpec = field(default_factory=HorovodSpec)
+    # rank 0's records beside metrics.jsonl (csv, tensorboard, wandb, mlflow) and the profiler's steps
+    # (polytrain.spec_sinks); neither is part of the digest
+    logging: LoggingSpec = field(default_factory=LoggingSpec)
+    profile: ProfileSpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return schema.plain(self)
@@ -236,7 +241,7 @@ class TrainSpec:
     def digest(self) -> str:
         """A short hash of everything that defines the training (not where it writes)."""
         payload = self.to_dict()
-        for key in ("output", "checkpoint", "reliability"):
+        for key in ("output", "checkpoint", "reliability", "logging", "profile"):
             payload.pop(key, None)
         return schema.digest(payload)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain import jsonfiles
+from polytrain.errors import UserError
 
 #: Track (Chrome trace "thread") ids within a rank's process.
 LOOP, COLLECTIVES, PIPELINE, PIPELINE_IDLE = 0, 1, 2, 3
@@ -46,6 +47,10 @@ class Timeline:
 
     def now(self) -> float:
         return time.perf_counter()
+
+    def origin_wall_us(self) -> float:
+        """The origin on the wall clock, in microseconds since the epoch (for merging into another trace)."""
+        return (time.time() - (time.perf_counter() - self.origin)) * 1e6
 
     def complete(self, name: str, category: str, start: float, end: float, track: int = LOOP,
                  **args: Any) -> None:
@@ -112,3 +117,13 @@ def write_chrome_trace(path: str | os.PathLike[str], events_by_rank: Mapping[int
     partial.write_text(jsonfiles.dumps(chrome_trace(events_by_rank, metadata=metadata)))
     os.replace(partial, target)
     return target
+
+
+def write_timeline_file(path: str, events_by_rank: dict[int, Any], meta: dict[str, Any]) -> Path:
+    """Write the merged trace, or fail in one line naming --timeline (exit code 2)."""
+    try:
+        return write_chrome_trace(path, events_by_rank, metadata=meta)
+    except OSError as exc:
+        raise UserError(f"--timeline {path}: cannot write it ({exc.strerror or exc}); give a path in a writable "
+                        f"directory") from None
+

@@ -24,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from polytrain import checkpoint as ckpt
+from polytrain import checkpoint_files as cf
 from polytrain import objectives, registry
 from polytrain.callbacks import RunHooks, set_up_callbacks
 from polytrain.data import Data, StepPlan, epoch_plan, eval_shard, global_batch_size, steps_per_epoch
 from polytrain.data.fingerprint import fingerprint
 from polytrain.data.prefetch import Batch, Prefetcher, load_transform
 from polytrain.environments import detect_world
-from polytrain.errors import TrainingFailure, UserError
+from polytrain.errors import TrainingFailure
 from polytrain.failures import (
     check_ranks_agree,
     check_writable_dir,
@@ -40,10 +41,12 @@ from polytrain.failures import (
     settled,
 )
 from polytrain.metrics import MetricsLog, Progress
+from polytrain.profiling import NO_PROFILER, Profiler, open_profiler
 from polytrain.protocols import Backend, BackendFactory, Framework, FrameworkFactory
 from polytrain.run_checkpoints import RunCheckpoints, Start
 from polytrain.spec import TrainSpec
-from polytrain.timeline import NULL, Timeline, write_chrome_trace
+from polytrain.timeline import NULL, Timeline, write_timeline_file
+from polytrain.trackers import Trackers, start_for_run
 from polytrain.trainer_state import LossWindow, Position, Steps, TrainResult
 from polytrain.watchdog import Activity, StallWatchdog, start_watchdog, who_was_lost
 from polytrain.world import World
@@ -90,6 +93,8 @@ class Trainer:
         self.steps: Steps | None = None
         self.checkpoints: RunCheckpoints | None = None
         self.watchdog: StallWatchdog | None = None
+        self.trackers = Trackers()  # rank 0's W&B/MLflow runs (logging.wandb, logging.mlflow), once started
+        self.profiler: Profiler = NO_PROFILER
 
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
@@ -101,7 +106,8 @@ class Trainer:
             # rank 0 alone makes the output directory: every rank learns at once if it cannot (not at a timeout)
             settled(self.backend, world.size, lambda: check_writable_dir("output", Path(spec.output)) if is_main
                     else None)
-            self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None)
+            self.log = MetricsLog(Path(spec.output) / "metrics.jsonl" if is_main else None,
+                                  tensorboard=spec.logging.tensorboard, csv=spec.logging.csv)
             prefix = f"[rank {world.rank}] " if self.verbose and world.size > 1 else ""
             self.progress = Progress(enabled=(is_main or self.verbose) and self.show_progress, prefix=prefix)
             data = self.data if self.data is not None else registry.open_data(spec)
@@ -110,6 +116,10 @@ class Trainer:
             self.hooks = set_up_callbacks(spec, world, self.extra_callbacks, data.info.task, bool(len(data.val)))
             self._build(data)
             start = self._begin(data)
+            if not start.complete:  # rank 0's trackers (in the runs a resumed checkpoint kept), before training
+                self.trackers = start_for_run(spec, world, self.backend, self.checkpoints.resumed_trackers)
+                self.log.trackers = self.checkpoints.trackers = self.trackers  # run ids go into every checkpoint
+                self.profiler = open_profiler(spec, world.rank, self.timeline)
             result = self._complete(data, start) if start.complete else self._train(data, start.position)
         except BaseException:
             self._tear_down(raising=True)
@@ -125,7 +135,9 @@ class Trainer:
             self.backend.barrier()  # every rank's time zero is the same moment
             self.timeline.reset_origin()
         self._activity.set("the start of the training loop")  # the stall clock starts now, not at start-up
-        self.watchdog = self._start_watchdog()  # from here on every rank runs the same activities
+        reliability = self.spec.reliability  # from here on every rank runs the same activities
+        self.watchdog = start_watchdog(self.backend, self.world.rank, self.world.size, self._activity,
+                                       reliability.stall_warning_s, reliability.collective_timeout_s)
         try:
             result = self._loop(data, start)
         except Exception as exc:
@@ -135,6 +147,7 @@ class Trainer:
                 f"rank {self.world.rank}: a collective failed during {self._activity.text}: "
                 f"{who_was_lost(self.watchdog)} ({peer_failure_detail(exc)})") from exc
         final_state = self.checkpoints.save_model(result)
+        self.trackers.log_model([Path(self.spec.output) / name for name in (cf.MODEL_FILE, cf.MODEL_JSON)])
         self._write_timeline()
         self.hooks.callbacks.call("on_train_end", result)
         result.model = self.framework.release(final_state)
@@ -199,7 +212,8 @@ class Trainer:
         DeepSpeed keep the process group through it), then the backend's process groups and stores. A gloo
         thread still running when the interpreter finalises aborts the process (SIGABRT after a finished run).
         Every step runs; the first failure is raised afterwards, unless `fit` is already ``raising``."""
-        ends = (self.watchdog.close if self.watchdog is not None else None, self.log.close,
+        ends = (self.watchdog.close if self.watchdog is not None else None, self.profiler.close,
+                lambda: self.trackers.finish(failed=raising), self.log.close,
                 self.prefetcher.close if self.prefetcher is not None else None,
                 self.framework.release if self.framework is not None else None, self.backend.teardown)
         failure: Exception | None = None
@@ -246,7 +260,8 @@ class Trainer:
         for i in range(first, steps.per_epoch):
             if here.step >= steps.total:
                 break
-            lr = self._step(here.step + 1, batches, window)
+            with self.profiler.step(here.step + 1):
+                lr = self._step(here.step + 1, batches, window)
             here = Position(here.step + 1, epoch, i + 1)
             logs: dict[str, Any] = {"epoch": epoch, "lr": lr}
             if here.step % loop.log_every_n_steps == 0 or i + 1 == steps.per_epoch or here.step == steps.total:
@@ -355,11 +370,6 @@ class Trainer:
         return objectives.reduce(dict(zip(names, map(tuple, reduced))), metrics)
 
     # ------------------------------------------------------------------ reliability
-    def _start_watchdog(self) -> StallWatchdog | None:
-        reliability = self.spec.reliability
-        return start_watchdog(self.backend, self.world.rank, self.world.size, self._activity,
-                              reliability.stall_warning_s, reliability.collective_timeout_s)
-
     def _nonfinite(self, step: int) -> None:
         policy = self.spec.reliability.on_nonfinite
         self.log.write("nonfinite", step=step, action=policy)
@@ -387,13 +397,4 @@ class Trainer:
                 self.timeline_path, dict(enumerate(everyone)), meta) if self.world.rank == 0 else None)
             if self.world.rank == 0:
                 self.progress.line(f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
-
-
-def write_timeline_file(path: str, events_by_rank: dict[int, Any], meta: dict[str, Any]) -> Path:
-    """Write the merged trace, or fail in one line naming --timeline (exit code 2)."""
-    try:
-        return write_chrome_trace(path, events_by_rank, metadata=meta)
-    except OSError as exc:
-        raise UserError(f"--timeline {path}: cannot write it ({exc.strerror or exc}); give a path in a writable "
-                        f"directory") from None
 

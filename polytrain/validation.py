@@ -20,6 +20,7 @@ from polytrain import layout, objectives, registry, schema, zoo
 from polytrain.errors import SpecError
 from polytrain.spec import MAX_IMAGE_SIDE, DataSpec, TrainSpec, parse
 from polytrain.spec_files import apply_overrides, load_raw
+from polytrain.spec_sinks import check_profile
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainSpec:
@@ -50,6 +51,8 @@ def check(spec: TrainSpec, *, validate_components: bool = True) -> None:
     if spec.schedule.warmup_epochs > spec.loop.epochs:
         raise SpecError(f"schedule.warmup_epochs: {spec.schedule.warmup_epochs!r} exceeds loop.epochs {spec.loop.epochs}")
     _check_tokens(spec)
+    if spec.profile is not None:
+        check_profile(spec.profile)
     _check_backend_options(spec)
     _check_torch_only(spec)
     layout.check_spec(spec.parallel, framework=spec.framework, backend=spec.backend,
@@ -59,6 +62,10 @@ def check(spec: TrainSpec, *, validate_components: bool = True) -> None:
         layout.check_model(spec.parallel, spec.model.name, spec.model.params)
     if validate_components:
         _check_components(spec)
+        for name in spec.logging.trackers():
+            reason = registry.tracker(name).unusable_reason()
+            if reason:
+                raise SpecError(f"logging.{name}: {reason}")
 
 
 def _check_data(data: DataSpec) -> None:

@@ -130,7 +130,7 @@ def test_a_bad_timeline_path_fails_before_training(trainer: type[RecordingTraine
 def test_a_timeline_that_cannot_be_written_at_the_end_is_one_line(tmp_path: Path) -> None:
     """The path checked at the start can still fail at the end (the directory removed meanwhile)."""
     from polytrain.errors import UserError
-    from polytrain.trainer import write_timeline_file
+    from polytrain.timeline import write_timeline_file
 
     (tmp_path / "f").write_text("a file where a directory should be")
     with pytest.raises(UserError, match=r"^--timeline .*/f/t.json: cannot write it \(.*\); give a path"):

@@ -1,0 +1,42 @@
+"""A profiled and tracked 2-rank DDP or FSDP job under torchrun (issue 31): each profiled rank writes its own
+torch.profiler trace, whose profiled steps hold the backend's gradient collective (DDP's all-reduce, FSDP's
+reduce-scatter, over gloo) beside the forward, backward and optimizer operators; and only rank 0 logs to the tracker (one MLflow run,
+whose losses are metrics.jsonl's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from procs import check, read_metrics, train
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+
+#: each backend's gradient collective, as torch.profiler names the c10d op
+COLLECTIVE = {"ddp": "c10d::allreduce_", "fsdp": "c10d::_reduce_scatter_base_"}
+
+
+@pytest.mark.parametrize("backend", sorted(COLLECTIVE))
+def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_path: Path, backend: str) -> None:
+    pytest.importorskip("mlflow")
+    out, database = tmp_path / "out", tmp_path / "mlflow.db"
+    check(train(out, [f"backend={backend}", "loop.max_steps=4", "loop.log_every_n_steps=1", "profile.steps=[2,3]",
+                      "profile.ranks=[0,1]", f"logging.mlflow.tracking_uri=sqlite:///{database}"], nproc=2))
+    for rank in (0, 1):
+        events = [e for e in json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
+                  if e.get("ph") == "X"]
+        markers = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+        assert [m["name"] for m in markers] == ["ProfilerStep#2", "ProfilerStep#3"]
+        for marker in markers:
+            inside = {e["name"] for e in events if marker["ts"] <= e["ts"] <= marker["ts"] + marker["dur"]}
+            assert {COLLECTIVE[backend], "aten::linear", "Optimizer.step#SGD.step"} <= inside, (rank, sorted(
+                n for n in inside if n.startswith("c10d")))
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{database}")
+    (run,) = client.search_runs([client.get_experiment_by_name("polytrain").experiment_id])
+    assert run.data.tags["polytrain.world_size"] == "2" and run.data.tags["polytrain.backend"] == backend
+    logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    assert logged == {r["step"]: r["loss"] for r in read_metrics(out, "step")} and sorted(logged) == [1, 2, 3, 4]
