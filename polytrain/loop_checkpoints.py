@@ -63,14 +63,15 @@ _MEANING = {"step": "optimizer steps taken", "epoch": "epochs completed"}
 
 def manifest(*, framework: str, backend: str, world_size: int, epoch: int, run_id: str,
              rng_states: list[Any], loss_scaler: Mapping[str, float] | None, loop_state: Mapping[str, Any],
-             precision: str) -> dict[str, Any]:
-    """The manifest of a loop's checkpoint: the Trainer's keys (`polytrain.run_checkpoints`) and ``origin``."""
+             precision: str, trackers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The manifest of a loop's checkpoint: the Trainer's keys (`polytrain.run_checkpoints`) and ``origin``;
+    ``trackers``: the loop's tracker runs (`LoopSession.tracker_ids`)."""
     return {
         "polytrain": __version__, "origin": ORIGIN, ckpt.RUN_KEY: run_id, "framework": framework, "backend": backend,
         "world_size": world_size, "epoch": epoch, "step_in_epoch": 0, "samples_in_epoch": 0,
         "rng_states": rng_states, "loss_scaler": dict(loss_scaler) if loss_scaler else None,
         "precision": precision, "loop_state": dict(loop_state), "model_digest": None,
-        "versions": library_versions(),
+        "versions": library_versions(), "trackers": dict(trackers or {}),
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,10 @@ class LoopSession:
 
     world: Any
     backend: Any
+    spec: Any
     _ended: bool = False
+    _trackers: Any = None  # the spec's trackers (logging.wandb, logging.mlflow), started by the first `log`
+    _resumed_trackers: dict[str, str] = {}  # the tracker runs a loaded checkpoint kept
 
     def _hold(self) -> None:
         atexit.register(self._end_at_exit)
@@ -58,22 +62,44 @@ class LoopSession:
         reduced = np.asarray(self.backend.all_reduce(values, "sum" if op == "mean" else op))
         return reduced / self.world.size if op == "mean" else reduced
 
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        """Log ``values`` (numbers or one-element tensors, by name) at ``step`` to the trackers the spec's ``logging``
+        names (W&B, MLflow), on rank 0; every rank calls it. The first call starts them — in the tracker runs a
+        checkpoint loaded before it kept, so a resumed loop goes on in the same run — or ends every rank with one
+        line naming ``logging.<name>`` when one cannot start. `end` finishes them."""
+        self._check_open("log")
+        if self._trackers is None:
+            from polytrain.trackers import start_for_run
+
+            self._trackers = start_for_run(self.spec, self.world, self.backend, self._resumed_trackers)
+        if self._trackers.runs:
+            self._trackers.log({name: float(value.item() if hasattr(value, "item") else value)
+                                for name, value in values.items()}, int(step))
+
+    def tracker_ids(self) -> dict[str, str]:
+        """The started trackers' run ids by tracker name (what a checkpoint keeps; empty before the first `log`)."""
+        return self._trackers.ids() if self._trackers is not None else {}
+
     # ------------------------------------------------------------------ lifetime
     def end(self) -> None:
         """Stop what this object started (process group, stores, wrappers); idempotent, also run at exit."""
         self._end(meet=True)
 
     def _end_at_exit(self) -> None:
-        self._end(meet=False)  # the script may be ending on an error, with the other ranks in a collective
+        # the script may be ending on an error (the interpreter then has printed it: sys.last_value), with the
+        # other ranks in a collective
+        self._end(meet=False, failed=hasattr(sys, "last_value"))
 
     def _release(self) -> None:
         """What a framework's own object lets go of first (its model and optimizer, its watch, its policy)."""
 
-    def _end(self, meet: bool) -> None:
+    def _end(self, meet: bool, failed: bool = False) -> None:
         if self._ended:
             return
         self._ended = True
         atexit.unregister(self._end_at_exit)  # the exit hook held this object (and its backend) for the process's life
+        if self._trackers is not None:
+            self._trackers.finish(failed=failed)
         self._release()
         # Every rank past its last collective before any tears down, with the GIL let go while it waits: gloo's
         # workers finish freeing that collective's tensors (which needs the GIL) now. Otherwise a script's DDP
@@ -89,7 +115,7 @@ class LoopSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._end(meet=exc[0] is None)
+        self._end(meet=exc[0] is None, failed=exc[0] is not None)
 
     def _check_open(self, verb: str) -> None:
         if self._ended:

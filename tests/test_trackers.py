@@ -215,3 +215,46 @@ def test_a_tracker_that_breaks_mid_run_warns_once_and_training_goes_on(tmp_path:
     same = polytrain.fit(reference, show_progress=False)
     assert result.global_step == same.global_step == 14 and result.history == same.history
     assert [r["step"] for r in read_metrics(tmp_path / "broken") if r["event"] == "step"] == list(range(1, 15))
+
+
+def test_the_own_loop_logs_to_the_spec_trackers_and_a_resumed_loop_goes_on_in_the_same_runs(tmp_path: Path) -> None:
+    """``Distributed.log`` (every rank calls it, rank 0 logs): the first call starts the spec's trackers; a checkpoint
+    keeps their runs, and a loop that loads it before its first `log` goes on in them."""
+    import torch
+
+    from polytrain.torch import Distributed
+
+    database = tmp_path / "mlflow.db"
+    spec = {"output": str(tmp_path / "loop"), "logging": {
+        "mlflow": {"tracking_uri": f"sqlite:///{database}"}, "wandb": {"mode": "offline"}}}
+    logged: dict[int, float] = {}
+
+    def part(steps: range, resume: bool) -> None:
+        torch.manual_seed(0)
+        with Distributed("local", spec=spec) as dist:
+            net = torch.nn.Linear(3, 1)
+            model, optimizer = dist.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            state = {"model": model, "optimizer": optimizer, "step": steps.start}
+            if resume:
+                dist.load(tmp_path / "ckpt", state)
+            for step in steps:
+                loss = model(torch.ones(4, 3)).pow(2).mean()
+                dist.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                dist.log({"loss": loss.detach(), "lr": 0.1}, step)
+                logged[step] = loss.item()
+            dist.save(tmp_path / "ckpt", {**state, "step": steps.stop - 1})
+
+    part(range(1, 4), resume=False)
+    part(range(4, 7), resume=True)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{database}")
+    (run,) = client.search_runs([client.get_experiment_by_name("polytrain").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == logged
+    first, second = sorted((tmp_path / "loop" / "wandb").glob("offline-run-*"))
+    assert first.name.rsplit("-", 1)[1] == second.name.rsplit("-", 1)[1]
+    rows = {**wandb_history(first), **wandb_history(second)}
+    assert {step: row["loss"] for step, row in rows.items()} == logged

@@ -62,7 +62,8 @@ def save(dist: Distributed, root: str | Path, state: Mapping[str, Any], keep_las
                        if roles[k] == "tensor"}
     described = lc.manifest(framework="tensorflow", backend=dist.backend.name, world_size=dist.world.size,
                             epoch=epoch, run_id=dist._owner.run_id or ckpt.new_run_id(), rng_states=_rng_states(dist),
-                            loss_scaler=None, loop_state=values, precision=dist.spec.precision)
+                            loss_scaler=None, loop_state=values, precision=dist.spec.precision,
+                            trackers=dist.tracker_ids())
     return lc.write(dist.backend, dist.world.rank, dist.world.size, Path(root), step, tensors, described, keep_last,
                     dist._owner)
 
@@ -107,6 +108,7 @@ def load(dist: Distributed, path: str | Path, state: Mapping[str, Any]) -> dict[
         global_seed_generator().state.assign(np.asarray(rng[dist.world.rank], dtype=np.int64))
     if manifest.get(ckpt.RUN_KEY):  # the run goes on: its later saves may replace and prune its checkpoints
         dist._owner = ckpt.Owner(manifest[ckpt.RUN_KEY])
+    dist._resumed_trackers = dict(manifest.get("trackers") or {})  # and its tracker runs
     values = dict(manifest.get("loop_state") or {})
     values.update(step=int(manifest.get("global_step", 0)), epoch=int(manifest.get("epoch", 0)),
                   step_in_epoch=int(manifest.get("step_in_epoch", 0)))

@@ -54,7 +54,7 @@ def save(dist: Distributed, root: str | Path, state: Mapping[str, Any], keep_las
     scaler = None if dist._scaler is None else {k: float(v) for k, v in dist._scaler.state_dict().items()}
     described = lc.manifest(framework="torch", backend=dist.backend.name, world_size=dist.world.size, epoch=epoch,
                             run_id=dist._owner.run_id or ckpt.new_run_id(), rng_states=rng, loss_scaler=scaler,
-                            loop_state=values, precision=dist.spec.precision)
+                            loop_state=values, precision=dist.spec.precision, trackers=dist.tracker_ids())
     described[GROUP_KEY] = [{k: v for k, v in group.items() if k != "params" and lc.is_json(v)}
                             for group in optimizer.param_groups] if "optimizer" in roles.values() else None
     described[OBJECTS_KEY] = objects
@@ -108,6 +108,7 @@ def load(dist: Distributed, path: str | Path, state: Mapping[str, Any]) -> dict[
         torch.set_rng_state(torch.tensor(rng[dist.world.rank], dtype=torch.uint8))
     if manifest.get(ckpt.RUN_KEY):  # the run goes on: its later saves may replace and prune its checkpoints
         dist._owner = ckpt.Owner(manifest[ckpt.RUN_KEY])
+    dist._resumed_trackers = dict(manifest.get("trackers") or {})  # and its tracker runs
     epoch = int(manifest.get("epoch", 0))
     for loader in dist._loading.loaders:
         loader.epoch = epoch

@@ -69,8 +69,11 @@ class Trackers:
     def record(self, event: str, fields: Mapping[str, Any]) -> None:
         values = scalars(event, fields)
         if values:
-            self._step = int(fields.get("step", self._step))
-            self._each(f"step {self._step}", lambda run: run.log(values, self._step))
+            self.log(values, int(fields.get("step", self._step)))
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        self._step = step
+        self._each(f"step {step}", lambda run: run.log(values, step))
 
     def log_model(self, files: Sequence[Path]) -> None:
         self._each("saving the final model", lambda run: run.log_model(files))
