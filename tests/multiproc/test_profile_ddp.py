@@ -1,7 +1,7 @@
-"""A profiled and tracked 2-rank DDP or FSDP job under torchrun (issue 31): each profiled rank writes its own
-torch.profiler trace, whose profiled steps hold the backend's gradient collective (DDP's all-reduce, FSDP's
-reduce-scatter, over gloo) beside the forward, backward and optimizer operators; and only rank 0 logs to the tracker (one MLflow run,
-whose losses are metrics.jsonl's)."""
+"""A profiled and tracked 2-rank job (issue 31): DDP or FSDP under torchrun, MPI under mpirun. Each profiled rank
+writes its own torch.profiler trace, whose profiled steps hold the backend's gradient collective (DDP's
+all-reduce, FSDP's reduce-scatter, over gloo; MPI's through the merged timeline) beside the forward, backward and
+optimizer operators; and only rank 0 logs to the tracker (one MLflow run, whose losses are metrics.jsonl's)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,19 @@ from procs import check, read_metrics, train
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 
-#: each backend's gradient collective, as torch.profiler names the c10d op
-COLLECTIVE = {"ddp": "c10d::allreduce_", "fsdp": "c10d::_reduce_scatter_base_"}
+#: each backend's gradient collective in the trace: as torch.profiler names the c10d op; the MPI backend's
+#: (mpi4py, which torch.profiler does not see) as polytrain's timeline span, merged in under --timeline
+COLLECTIVE = {"ddp": "c10d::allreduce_", "fsdp": "c10d::_reduce_scatter_base_", "mpi": "gradient bucket 0"}
 
 
 @pytest.mark.parametrize("backend", sorted(COLLECTIVE))
 def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_path: Path, backend: str) -> None:
     pytest.importorskip("mlflow")
     out, database = tmp_path / "out", tmp_path / "mlflow.db"
+    mpi = backend == "mpi"
     check(train(out, [f"backend={backend}", "loop.max_steps=4", "loop.log_every_n_steps=1", "profile.steps=[2,3]",
-                      "profile.ranks=[0,1]", f"logging.mlflow.tracking_uri=sqlite:///{database}"], nproc=2))
+                      "profile.ranks=[0,1]", f"logging.mlflow.tracking_uri=sqlite:///{database}"], nproc=2,
+                launcher="mpirun" if mpi else None, args=["--timeline", str(tmp_path / "t.json")] if mpi else ()))
     for rank in (0, 1):
         events = [e for e in json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
                   if e.get("ph") == "X"]
