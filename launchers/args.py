@@ -50,6 +50,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
              "line; a token belongs there); repeatable",
     )
     parser.add_argument("--mpi-flavour", metavar="openmpi|hydra", help="mpirun flavour (default: ask mpirun)")
+    parser.add_argument("--ray-address", metavar="ADDR",
+                        help="--launcher ray: the Ray cluster to run on (host:port of its head); default: a local Ray, "
+                             "started for the job and stopped after it")
 
     horovod = parser.add_argument_group("horovodrun options")
     controller = horovod.add_mutually_exclusive_group()
@@ -142,6 +145,7 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
         master_port=_number(args.master_port, "--master-port"),
         max_restarts=_number(args.max_restarts, "--max-restarts", minimum=0),
         mpi_flavour=args.mpi_flavour,
+        ray_address=args.ray_address,
         horovod=HorovodOptions(
             controller=args.horovod_controller,
             network_interfaces=nics,

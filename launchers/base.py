@@ -98,6 +98,7 @@ class LaunchRequest:
     horovod: HorovodOptions = field(default_factory=HorovodOptions)
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
     debug: bool = False
+    ray_address: str | None = None  # --launcher ray: an existing cluster (None: a local Ray, started and stopped)
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:

@@ -16,6 +16,7 @@ from polytrain.launchers.horovodrun import HorovodrunLauncher
 from polytrain.launchers.local import LocalLauncher
 from polytrain.launchers.lsf import LsfLauncher
 from polytrain.launchers.mpirun import MpirunLauncher
+from polytrain.launchers.ray import RayLauncher
 from polytrain.launchers.srun import SrunLauncher
 from polytrain.launchers.torchrun import TorchrunLauncher
 
@@ -29,6 +30,7 @@ LAUNCHERS: tuple[type[Launcher], ...] = (
     DeepspeedLauncher,
     LsfLauncher,
     LocalLauncher,
+    RayLauncher,
 )
 
 

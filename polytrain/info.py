@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ from typing import Any
 from polytrain import registry
 from polytrain.launchers import registry as launcher_registry
 
-PACKAGES = ("torch", "tensorflow", "keras", "deepspeed", "horovod", "mpi4py", "numpy", "safetensors")
+PACKAGES = ("torch", "tensorflow", "keras", "deepspeed", "horovod", "mpi4py", "numpy", "safetensors", "ray")
 #: the data extras (``pip install 'polytrain[data]'``): Parquet files and images
 DATA_PACKAGES = ("pyarrow", "Pillow")
 
@@ -90,6 +91,26 @@ def accelerators() -> dict[str, Any]:
             "nccl": nccl}
 
 
+def ray_cluster() -> dict[str, Any]:
+    """The Ray cluster ``--launcher ray --ray-address auto`` would find: ``RAY_ADDRESS``, else the one ``ray start``
+    recorded on this machine; whether its head accepts a connection (within 2 s)."""
+    import socket
+    import tempfile
+
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    recorded = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    if not address and recorded.is_file():
+        address = recorded.read_text().strip()
+    if not address or "://" in address or ":" not in address:
+        return {"address": address or None, "reachable": None}
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return {"address": address, "reachable": True}
+    except (OSError, ValueError):
+        return {"address": address, "reachable": False}
+
+
 def data_sources() -> list[dict[str, Any]]:
     """Each ``data.name`` (the registry's source rows): whether it can be read here, and if not, what to install."""
     rows = []
@@ -118,6 +139,7 @@ def collect() -> dict[str, Any]:
         "accelerators": accelerators(),
         "backends": backends,
         "data_sources": data_sources(),
+        "ray_cluster": ray_cluster(),
         "trackers": {name: {"version": next(filter(None, map(_version, entry.distributions)), None),
                             "why_not": entry.unusable_reason()}
                      for name, entry in registry.TRACKERS.items()},
@@ -141,6 +163,12 @@ def to_table(report: dict[str, Any]) -> str:
         lines += [f"horovod      {hvd['version']}: frameworks {frameworks}", f"             built with {ops}"]
     else:
         lines += ["horovod      not installed: polytrain.horovod runs on torch.distributed / MPI instead"]
+    cluster = report["ray_cluster"]
+    if cluster["address"] is None:
+        lines.append("ray cluster  none found (RAY_ADDRESS unset, no `ray start` here): --launcher ray starts a local one")
+    else:
+        state = {True: "answers", False: "does not answer", None: "not checked"}[cluster["reachable"]]
+        lines.append(f"ray cluster  {cluster['address']} ({state})")
     acc = report["accelerators"]
     lines.append(f"cuda / nccl  {acc.get('cuda') or 'no GPU'} / {acc.get('nccl') or '-'}")
     lines += ["", "backends:", f"  {'backend':<16} {'framework':<11} usable"]

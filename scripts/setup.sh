@@ -5,7 +5,7 @@
 #                            # polytrain (about a minute on a fresh machine)
 #   scripts/setup.sh --all   # everything the tests and the tour use: also TensorFlow 2.21 + Keras 3,
 #                            # pyarrow and Pillow (file data), DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools,
-#                            # W&B and MLflow (the trackers),
+#                            # W&B and MLflow (the trackers), Ray Train (--launcher ray),
 #                            # and, as root with apt-get, the Debian packages of tests/cluster (sshd, Slurm, munge, MPICH)
 #
 # A set-up with --all also satisfies a later plain run.
@@ -16,7 +16,7 @@
 #   POLYTRAIN_VENV           where the virtual environment lives (default: <repo>/.venv)
 #   POLYTRAIN_CACHE          where built wheels are cached (default: ~/.cache/polytrain)
 #   POLYTRAIN_EXTRAS         setup.cfg extras to install (default: torch,mpi; with --all
-#                            torch,mpi,dev,data,tensorflow,deepspeed,trackers; with a GPU, tensorflow becomes
+#                            torch,mpi,dev,data,tensorflow,deepspeed,trackers,ray; with a GPU, tensorflow becomes
 #                            tensorflow-cuda)
 #   POLYTRAIN_HOROVOD        1: build/install real Horovod via scripts/build_horovod.sh; 0: skip
 #                            (default: 1 with --all, else 0)
@@ -31,7 +31,7 @@ set -euo pipefail
 # Horovod build takes minutes) changes nothing in this run (bash would read on at the old offset).
 {
 
-ALL_EXTRAS=torch,mpi,dev,data,tensorflow,deepspeed,trackers
+ALL_EXTRAS=torch,mpi,dev,data,tensorflow,deepspeed,trackers,ray
 case "${1:-}" in
     --all) profile=all; default_extras="$ALL_EXTRAS"; default_horovod=1 ;;
     "") profile=default; default_extras=torch,mpi; default_horovod=0 ;;

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from polytrain import registry
 
 
@@ -87,3 +89,20 @@ def test_info_says_which_data_sources_need_the_data_extras() -> None:
     assert table[:3] == ["data extras (pip install 'polytrain[data]'):", "  pyarrow      not installed",
                          "  Pillow       not installed"]
     assert f"  parquet          no: pyarrow is not installed {hint}" in table and "  csv              yes" in table
+
+
+def test_info_says_whether_the_ray_cluster_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: the cluster ``--ray-address auto`` would use (RAY_ADDRESS here), and whether its head's port takes a
+    connection: a real listener on loopback, then the same port closed."""
+    import socket
+
+    from polytrain import info
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        assert info.ray_cluster() == {"address": address, "reachable": True}
+    assert info.ray_cluster() == {"address": address, "reachable": False}
+    assert f"ray cluster  {address} (does not answer)" in info.to_table(info.collect())

@@ -22,6 +22,7 @@ from polytrain.environments.mpi import (
     MvapichEnvironment,
     OpenMpiEnvironment,
 )
+from polytrain.environments.ray import RayEnvironment
 from polytrain.environments.single import SingleProcessEnvironment
 from polytrain.environments.slurm import SlurmEnvironment
 from polytrain.environments.torchrun import EnvInitEnvironment, PolytrainLocalEnvironment, TorchrunEnvironment
@@ -30,6 +31,7 @@ from polytrain.world import World
 
 PRECEDENCE: tuple[type[Environment], ...] = (
     PolytrainLocalEnvironment,
+    RayEnvironment,  # polytrain's Ray workers: torchrun's variables, and Ray itself may run inside Slurm
     TorchrunEnvironment,
     DeepSpeedEnvironment,
     HorovodGlooEnvironment,

@@ -27,6 +27,7 @@ EXPECTED = {
     "openmpi5_rank0": (0, 2, 0, 2, 0, 1, "127.0.0.1", None, "openmpi"),
     "openmpi5_rank1": (1, 2, 1, 2, 0, 1, "127.0.0.1", None, "openmpi"),
     "polytrain_local_rank1": (1, 2, 1, 2, 0, 1, "127.0.0.1", 29533, "polytrain-local"),
+    "ray_rank1": (1, 2, 1, 2, 0, 1, "127.0.0.1", 33865, "ray"),  # real, a Ray Train worker's child
     "slurm_batch_shell": (0, 1, 0, 1, 0, 1, "127.0.0.1", None, "single"),
     "slurm2205_sbatch_srun_rank3": (3, 4, 1, 2, 1, 2, "h1", 10006, "slurm"),  # real, from tests/cluster
     "slurm2205_srun_uneven_rank2": (2, 3, 0, 1, 1, 2, "h1", 10007, "slurm"),  # real, from tests/cluster
@@ -66,7 +67,7 @@ def test_detect_world_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_precedence_order_is_explicit() -> None:
     assert [cls.launcher for cls in PRECEDENCE] == [
-        "polytrain-local", "torchrun", "deepspeed", "horovodrun-gloo", "horovodrun-mpi", "lsf",
+        "polytrain-local", "ray", "torchrun", "deepspeed", "horovodrun-gloo", "horovodrun-mpi", "lsf",
         "openmpi", "mvapich", "intelmpi", "mpich", "slurm", "env", "single"]
     assert all(by_launcher(cls.launcher) is cls for cls in PRECEDENCE)
     assert by_launcher("nope") is None
@@ -77,7 +78,7 @@ def _position(launcher: str) -> int:
 
 
 @pytest.mark.parametrize(("before", "after"), [
-    ("torchrun", "slurm"), ("polytrain-local", "slurm"), ("deepspeed", "slurm"),
+    ("torchrun", "slurm"), ("polytrain-local", "slurm"), ("deepspeed", "slurm"), ("ray", "torchrun"), ("ray", "slurm"),
     ("horovodrun-gloo", "openmpi"), ("horovodrun-mpi", "openmpi"), ("horovodrun-mpi", "mpich"),
     ("horovodrun-mpi", "mvapich"), ("openmpi", "slurm"), ("mpich", "slurm"), ("intelmpi", "mpich"),
     ("mvapich", "mpich"), ("lsf", "openmpi"), ("slurm", "env"), ("env", "single"),
@@ -92,6 +93,7 @@ STEP = load_dump("slurm_srun_rank3")
 @pytest.mark.parametrize(("name", "launcher"), [
     ("torchrun_rank1", "torchrun"),
     ("polytrain_local_rank1", "polytrain-local"),
+    ("ray_rank1", "ray"),
     ("deepspeed_rank1", "deepspeed"),
     ("horovodrun_gloo_rank1", "horovodrun-gloo"),
     ("openmpi5_rank1", "openmpi"),

@@ -73,7 +73,7 @@ def test_env_restarts_master_and_slurm_options(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--launcher", "ssh", "-np", "2", "t.py"], "--launcher must be one of torchrun, mpirun, horovodrun, srun, deepspeed, local; got 'ssh'"),
+        (["--launcher", "ssh", "-np", "2", "t.py"], "--launcher must be one of torchrun, mpirun, horovodrun, srun, deepspeed, local, ray; got 'ssh'"),
         (["-np", "0", "t.py"], "-np must be an integer >= 1, got '0'"),
         (["-np", "two", "t.py"], "-np must be an integer >= 1, got 'two'"),
         (["-np", "1.5", "t.py"], "-np must be an integer >= 1, got '1.5'"),

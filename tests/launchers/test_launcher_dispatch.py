@@ -23,7 +23,7 @@ PY = sys.executable
 
 
 def test_every_launcher_name_has_a_launcher():
-    assert launcher_names() == ("torchrun", "mpirun", "horovodrun", "srun", "deepspeed", "local")
+    assert launcher_names() == ("torchrun", "mpirun", "horovodrun", "srun", "deepspeed", "local", "ray")
     assert {type(get_launcher(name)) for name in launcher_names()} == {cls for cls in LAUNCHERS if cls.starts_jobs}
     with pytest.raises(LaunchError, match="--launcher must be one of"):
         get_launcher("pdsh")
@@ -39,7 +39,7 @@ def test_build_command_dispatches_on_the_launcher_name():
     }
     assert firsts == {
         "torchrun": "torchrun", "mpirun": "mpirun", "horovodrun": "horovodrun",
-        "srun": "srun", "deepspeed": "deepspeed", "local": PY,
+        "srun": "srun", "deepspeed": "deepspeed", "local": PY, "ray": PY,  # ray: what each Ray Train worker runs
     }
 
 
@@ -58,7 +58,7 @@ def test_request_validation():
     pdsh = LaunchRequest(launcher="pdsh", nproc=1, program=(PY,))  # the registry refuses it where it is used
     for use in (build_command, describe, run):
         with pytest.raises(LaunchError, match="--launcher must be one of torchrun, mpirun, horovodrun, srun, "
-                                              "deepspeed, local; got 'pdsh'"):
+                                              "deepspeed, local, ray; got 'pdsh'"):
             use(pdsh)
     with pytest.raises(LaunchError, match="program to launch is empty"):
         LaunchRequest(launcher="local", nproc=1, program=())

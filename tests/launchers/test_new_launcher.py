@@ -78,7 +78,7 @@ def launch_help(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_the_row_alone_makes_it_a_launch_choice_with_its_batch_script_flag(capsys, monkeypatch, tmp_path):
-    choices = "--launcher LAUNCHER one of torchrun, mpirun, horovodrun, srun, deepspeed, local"
+    choices = "--launcher LAUNCHER one of torchrun, mpirun, horovodrun, srun, deepspeed, local, ray"
     before = launch_help(capsys)
     assert f"{choices} (default: local)" in before and "--emit-toy" not in before
     monkeypatch.setattr(registry, "LAUNCHERS", (*registry.LAUNCHERS, ToyrunLauncher))

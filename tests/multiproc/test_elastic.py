@@ -1,5 +1,6 @@
 """Elastic restarts: a rank SIGKILLed mid-epoch; the restarted job resumes from the newest checkpoint
-and ends with exactly the weights of an uninterrupted run."""
+and ends with exactly the weights of an uninterrupted run — under torchrun, polytrain's local launcher and Ray
+Train (a local Ray started by the launch)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def env(fault_at: int) -> dict[str, str]:
     return loopback_env(PYTHONPATH=str(HERE), FAULT_RANK="1", FAULT_AT=str(fault_at))
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "local"])
+@pytest.mark.parametrize("launcher", ["torchrun", "local", "ray"])
 def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path: Path, launcher: str) -> None:
+    if launcher == "ray":
+        pytest.importorskip("ray.train")
     clean = tmp_path / "clean"
     spec = spec_file(tmp_path)
     check(run([sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", "2", spec,
@@ -43,8 +46,8 @@ def test_killed_rank_restarts_and_matches_uninterrupted(tmp_path: Path, launcher
     if launcher == "torchrun":
         cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", "--max-restarts=1", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "polytrain.cli", "train", spec, *sets(killed)]
-    else:
-        cmd = [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", "local", "-np", "2",
+    else:  # ray: Ray Train's FailureConfig(max_failures=1) restarts the worker group
+        cmd = [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", launcher, "-np", "2",
                "--max-restarts", "1", spec, *sets(killed)]
     check(run(cmd, env=env(fault_at=27)))  # mid-epoch 2 (23 steps per epoch); newest checkpoint: 20
     resumes = read_metrics(killed, "resume")

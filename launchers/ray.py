@@ -1,0 +1,216 @@
+"""The ``ray`` launcher: N workers on a Ray cluster through Ray Train (``polytrain launch --launcher ray``).
+
+Without ``--ray-address`` a local Ray is started for the job (as many logical CPUs as workers, when the machine
+has fewer) and stopped after it; with one, the job runs on that cluster. The workers are Ray Train's: a
+`DataParallelTrainer` of ``-np`` workers (a GPU each where the driver sees one) with
+``FailureConfig(max_failures=--max-restarts)``. Ray Train's ``TorchTrainer`` would make a torch process group in
+each worker actor and ``TensorflowTrainer`` a ``TF_CONFIG``; polytrain's backends make their own (ddp, fsdp,
+DeepSpeed, Horovod, MPI, tf-multiworker alike), so the base trainer is used and nothing is made twice.
+
+Each worker actor starts the program (``polytrain train SPEC ...`` or the script; in the driver's working directory
+where the node has it) as a child process with
+torchrun's variables: ranks from Ray Train's context, ``GROUP_RANK`` its node rank, ``MASTER_ADDR``/``MASTER_PORT``
+chosen by rank 0's actor (loopback on a local Ray, else its node's address) and broadcast with Ray Train's
+collective, ``POLYTRAIN_LAUNCHER=ray`` (`polytrain.environments.ray`) and ``POLYTRAIN_RESTART_COUNT``: Ray restarts
+the whole worker group after a failure, and a restarted spec run with checkpoints resumes from its latest, exactly
+as under the other launchers. A child that fails fails its actor, naming its rank and node. When the children end,
+every worker reports to Ray Train (`ray.train.report`): rank 0 the last epoch record of ``metrics.jsonl`` and the
+run's final model directory as the checkpoint, so Ray's result and checkpoint manager see them; the output
+directory is the same as under any launcher. Ray's own files go under ``<output>/ray`` for a spec, else Ray's
+default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from polytrain.errors import LaunchError
+from polytrain.launchers.base import Launcher, LaunchRequest
+
+LOOPBACK = "127.0.0.1"
+INSTALL_HINT = "pip install 'polytrain[ray]'"
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+        import ray.train  # noqa: F401 - Ray Train is the ray[train] extra
+    except ImportError as exc:
+        raise LaunchError(f"--launcher ray: Ray Train is not installed ({INSTALL_HINT}): {exc}") from None
+    return ray
+
+
+#: backends that take their ranks from an MPI launcher, not from Ray's workers
+MPI_LAUNCHED = {("tensorflow", "mpi"), ("tensorflow", "horovod")}
+
+
+def _spec_output(program: list[str]) -> Path | None:
+    """The output directory of a ``polytrain train SPEC`` program (its --set output= wins), or None; a spec whose
+    backend needs an MPI launcher is refused here, before Ray starts."""
+    if "train" not in program:
+        return None
+    from polytrain import validation
+
+    args = program[program.index("train") + 1:]
+    spec_file = next((a for a in args if a.endswith((".yaml", ".yml", ".toml", ".json"))), None)
+    sets = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--set"]
+    try:
+        spec = validation.load(spec_file, sets)
+    except Exception:  # noqa: BLE001 - the workers say what is wrong with the spec, in one line
+        return None
+    if (spec.framework, spec.backend) in MPI_LAUNCHED:
+        raise LaunchError(f"--launcher ray: backend {spec.backend!r} takes its ranks from an MPI launcher (mpirun, "
+                          f"horovodrun); on Ray use backend 'tf-multiworker'")
+    return Path(spec.output).absolute()
+
+
+class RayLauncher(Launcher):
+    name = "ray"
+
+    def build_command(self, req: LaunchRequest) -> list[str]:
+        """What each Ray worker runs (Ray Train starts the workers: there is no launcher binary)."""
+        return list(req.program)
+
+    def describe(self, req: LaunchRequest) -> str:
+        where = req.ray_address or "a local Ray started for the job"
+        return (f"# Ray Train DataParallelTrainer: {req.nproc} workers on {where}, max_failures={req.max_restarts}; "
+                f"each runs:\n{' '.join(req.program)}")
+
+    def run(self, req: LaunchRequest) -> int:
+        if req.hosts:
+            raise LaunchError("--launcher ray runs on the Ray cluster's nodes: give --ray-address, not -H/--hostfile")
+        ray = _import_ray()
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+        output = _spec_output(list(req.program))
+        temp = _connect(ray, req)
+        try:
+            gpu = bool(ray.cluster_resources().get("GPU"))
+            trainer = DataParallelTrainer(
+                _worker, train_loop_config={"program": list(req.program), "env": dict(req.env),
+                                            "loopback": not req.ray_address, "output": str(output or ""),
+                                            "cwd": os.getcwd()},
+                scaling_config=ScalingConfig(num_workers=req.nproc, use_gpu=gpu),
+                run_config=RunConfig(name=f"polytrain-{os.getpid()}",
+                                     storage_path=str(output / "ray") if output else None,
+                                     failure_config=FailureConfig(max_failures=req.max_restarts)))
+            try:
+                trainer.fit()
+            except Exception as exc:  # noqa: BLE001 - Ray's TrainingFailedError holds each failed worker's error
+                print(f"polytrain: the Ray job failed: {_failure_line(exc)}", file=sys.stderr, flush=True)
+                return 1
+            return 0
+        finally:
+            ray.shutdown()
+            if temp is not None:  # a local Ray's session files (logs, sockets): this job's, gone with it
+                shutil.rmtree(temp, ignore_errors=True)
+
+
+def _connect(ray: Any, req: LaunchRequest) -> str | None:
+    """``ray.init`` on the cluster at --ray-address, or on a local Ray sized for the job, its session files in a
+    temporary directory of its own (returned, for removal after the job)."""
+    if req.ray_address:
+        _check_reachable(req.ray_address)  # Ray itself retries a wrong address for minutes
+        try:
+            ray.init(address=req.ray_address, include_dashboard=False, logging_level="WARNING",
+                     log_to_driver=True)
+        except Exception as exc:  # noqa: BLE001 - every way an address can be wrong
+            detail = " ".join(str(exc).split())[:200]
+            raise LaunchError(f"--ray-address {req.ray_address}: cannot connect to a Ray cluster there "
+                              f"({type(exc).__name__}: {detail}); give the head's host:port (ray status shows it), "
+                              f"or leave --ray-address out for a local Ray") from None
+        return None
+    cpus = max(req.nproc, os.cpu_count() or 1)  # logical CPUs: one per worker, even on a smaller machine
+    temp = tempfile.mkdtemp(prefix="polytrain-ray-")  # short: Ray's socket paths live under it
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING", log_to_driver=True,
+             _node_ip_address=LOOPBACK, _temp_dir=temp)
+    return temp
+
+
+def _check_reachable(address: str) -> None:
+    """A ``host:port`` --ray-address must accept a connection within seconds (``auto``, ``ray://`` go to Ray)."""
+    host, colon, port = address.rpartition(":")
+    if address == "auto" or "://" in address:
+        return
+    if not colon or not host or not port.isdigit():
+        raise LaunchError(f"--ray-address {address}: expected HOST:PORT of the Ray head (ray status shows it), "
+                          f"'auto', or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        raise LaunchError(f"--ray-address {address}: no Ray head answers there ({exc.strerror or exc}); start one "
+                          f"with `ray start --head`, or leave --ray-address out for a local Ray") from None
+
+
+def _failure_line(exc: BaseException) -> str:
+    """What failed, from Ray's error: each worker's ``rank R on NODE: ... exited with code C``, else its start."""
+    text = " ".join(str(exc).split())
+    ranks = sorted(set(re.findall(r"rank \d+ on \S+: .*? exited with code -?\d+", text)))
+    return "; ".join(ranks) if ranks else text[:400] + ("..." if len(text) > 400 else "")
+
+
+def _worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: run the program as a child with torchrun's variables, then report to Ray."""
+    import ray.train
+    from ray.train import collective
+
+    from polytrain.net import free_port
+
+    ctx = ray.train.get_context()
+    rank, size = ctx.get_world_rank(), ctx.get_world_size()
+    node = LOOPBACK if config["loopback"] else ray.util.get_node_ip_address()
+    output = Path(config["output"]) if config["output"] else None
+    attempt = 0
+    if rank == 0 and output is not None:  # how many times Ray has started this group: rank 0 counts on its node
+        counter = output / "ray" / "attempts"
+        counter.parent.mkdir(parents=True, exist_ok=True)
+        attempt = int(counter.read_text()) if counter.exists() else 0
+        counter.write_text(str(attempt + 1))
+    address, port, attempt = collective.broadcast_from_rank_zero((node, free_port(), attempt))
+    env = {**os.environ, **config["env"], "RANK": str(rank), "WORLD_SIZE": str(size),
+           "LOCAL_RANK": str(ctx.get_local_rank()), "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
+           "GROUP_RANK": str(ctx.get_node_rank()), "MASTER_ADDR": address, "MASTER_PORT": str(port),
+           "POLYTRAIN_LAUNCHER": "ray", "POLYTRAIN_RESTART_COUNT": str(attempt)}
+    cwd = config["cwd"] if os.path.isdir(config["cwd"]) else None  # the driver's, where this node has it
+    code = subprocess.run(config["program"], env=env, cwd=cwd, check=False).returncode
+    if code != 0:
+        raise RuntimeError(f"rank {rank} on {node}: {' '.join(config['program'][:4])} ... exited with code {code}")
+    metrics, checkpoint = {}, None
+    if rank == 0 and output is not None:
+        metrics = _last_epoch(output / "metrics.jsonl")
+        if (output / "model.safetensors").exists():
+            checkpoint = ray.train.Checkpoint.from_directory(str(_model_dir(output)))
+    ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _last_epoch(path: Path) -> dict[str, Any]:
+    """The last ``epoch`` record of ``metrics.jsonl`` (numbers only), with its step; empty when there is none."""
+    last: dict[str, Any] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "epoch":
+                last = record
+    return {k: v for k, v in last.items() if isinstance(v, (int, float)) and k != "time"}
+
+
+def _model_dir(output: Path) -> Path:
+    """The final model's two files alone in a directory (Ray copies a checkpoint directory whole)."""
+    target = output / "ray" / "model"
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "model.json"):
+        shutil.copy2(output / name, target / name)
+    return target
+
+
+LAUNCHER = RayLauncher()
