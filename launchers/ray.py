@@ -22,6 +22,7 @@ default.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +95,7 @@ class RayLauncher(Launcher):
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
         output = _spec_output(list(req.program))
-        temp = _connect(ray, req)
-        try:
+        with ray_session(ray, req.ray_address, req.nproc):
             gpu = bool(ray.cluster_resources().get("GPU"))
             trainer = DataParallelTrainer(
                 _worker, train_loop_config={"program": list(req.program), "env": dict(req.env),
@@ -110,29 +111,38 @@ class RayLauncher(Launcher):
                 print(f"polytrain: the Ray job failed: {_failure_line(exc)}", file=sys.stderr, flush=True)
                 return 1
             return 0
-        finally:
-            ray.shutdown()
-            if temp is not None:  # a local Ray's session files (logs, sockets): this job's, gone with it
-                shutil.rmtree(temp, ignore_errors=True)
 
 
-def _connect(ray: Any, req: LaunchRequest) -> str | None:
+@contextlib.contextmanager
+def ray_session(ray: Any, address: str | None, workers: int, *, worker_output: bool = True) -> Iterator[None]:
+    """Ray for the duration of a job: connected to the cluster at ``address``, or a local Ray sized for ``workers``
+    (`_connect`); shut down after, a local Ray's session files (logs, sockets) removed with it. ``worker_output``:
+    Ray's workers' output is shown here (a sweep's trials write theirs to files)."""
+    temp = _connect(ray, address, workers, worker_output)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def _connect(ray: Any, address: str | None, workers: int, worker_output: bool) -> str | None:
     """``ray.init`` on the cluster at --ray-address, or on a local Ray sized for the job, its session files in a
     temporary directory of its own (returned, for removal after the job)."""
-    if req.ray_address:
-        _check_reachable(req.ray_address)  # Ray itself retries a wrong address for minutes
+    if address:
+        _check_reachable(address)  # Ray itself retries a wrong address for minutes
         try:
-            ray.init(address=req.ray_address, include_dashboard=False, logging_level="WARNING",
-                     log_to_driver=True)
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=worker_output)
         except Exception as exc:  # noqa: BLE001 - every way an address can be wrong
             detail = " ".join(str(exc).split())[:200]
-            raise LaunchError(f"--ray-address {req.ray_address}: cannot connect to a Ray cluster there "
+            raise LaunchError(f"--ray-address {address}: cannot connect to a Ray cluster there "
                               f"({type(exc).__name__}: {detail}); give the head's host:port (ray status shows it), "
                               f"or leave --ray-address out for a local Ray") from None
         return None
-    cpus = max(req.nproc, os.cpu_count() or 1)  # logical CPUs: one per worker, even on a smaller machine
+    cpus = max(workers, os.cpu_count() or 1)  # logical CPUs: one per worker, even on a smaller machine
     temp = tempfile.mkdtemp(prefix="polytrain-ray-")  # short: Ray's socket paths live under it
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING", log_to_driver=True,
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING", log_to_driver=worker_output,
              _node_ip_address=LOOPBACK, _temp_dir=temp)
     return temp
 

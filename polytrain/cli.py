@@ -152,6 +152,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return compare_from_args(args)
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from polytrain.sweep import sweep_from_args
+
+    return sweep_from_args(args)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from polytrain.plan.command import plan_from_args
 
@@ -251,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_arguments(plan_p)
     plan_p.set_defaults(func=_cmd_plan)
+
+    sweep_p = sub.add_parser("sweep", help="a grid of runs of one spec as Ray Tune trials: a table of the trials, "
+                                           "the best by a metric marked, and a CSV")
+    from polytrain.sweep import add_sweep_arguments
+
+    add_sweep_arguments(sweep_p)
+    sweep_p.set_defaults(func=_cmd_sweep)
     for choices in (sub, actions):  # a missing command then lists the allowed ones, not argparse's dest name
         choices.metavar = "{" + ",".join(choices.choices) + "}"
     return parser
