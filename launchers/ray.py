@@ -95,11 +95,10 @@ class RayLauncher(Launcher):
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
         output = _spec_output(list(req.program))
-        with ray_session(ray, req.ray_address, req.nproc):
+        with ray_session(ray, req.ray_address, req.nproc, env=dict(req.env)):
             gpu = bool(ray.cluster_resources().get("GPU"))
             trainer = DataParallelTrainer(
-                _worker, train_loop_config={"program": list(req.program), "env": dict(req.env),
-                                            "loopback": not req.ray_address, "output": str(output or ""),
+                _worker, train_loop_config={"program": list(req.program), "loopback": not req.ray_address, "output": str(output or ""),
                                             "cwd": os.getcwd()},
                 scaling_config=ScalingConfig(num_workers=req.nproc, use_gpu=gpu),
                 run_config=RunConfig(name=f"polytrain-{os.getpid()}",
@@ -114,11 +113,15 @@ class RayLauncher(Launcher):
 
 
 @contextlib.contextmanager
-def ray_session(ray: Any, address: str | None, workers: int, *, worker_output: bool = True) -> Iterator[None]:
+def ray_session(ray: Any, address: str | None, workers: int, *, worker_output: bool = True,
+                env: dict[str, str] | None = None) -> Iterator[None]:
     """Ray for the duration of a job: connected to the cluster at ``address``, or a local Ray sized for ``workers``
     (`_connect`); shut down after, a local Ray's session files (logs, sockets) removed with it. ``worker_output``:
-    Ray's workers' output is shown here (a sweep's trials write theirs to files)."""
-    temp = _connect(ray, address, workers, worker_output)
+    Ray's workers' output is shown here (a sweep's trials write theirs to files). ``env`` (the ``-x`` variables)
+    reaches every worker without travelling in the job's config, which Ray keeps: a local Ray's processes inherit
+    this process's environment, and a cluster gets them as the job's runtime environment."""
+    os.environ.update(env or {})
+    temp = _connect(ray, address, workers, worker_output, env or {})
     try:
         yield
     finally:
@@ -127,13 +130,14 @@ def ray_session(ray: Any, address: str | None, workers: int, *, worker_output: b
             shutil.rmtree(temp, ignore_errors=True)
 
 
-def _connect(ray: Any, address: str | None, workers: int, worker_output: bool) -> str | None:
+def _connect(ray: Any, address: str | None, workers: int, worker_output: bool, env: dict[str, str]) -> str | None:
     """``ray.init`` on the cluster at --ray-address, or on a local Ray sized for the job, its session files in a
     temporary directory of its own (returned, for removal after the job)."""
     if address:
         _check_reachable(address)  # Ray itself retries a wrong address for minutes
         try:
-            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=worker_output)
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=worker_output,
+                     runtime_env={"env_vars": env} if env else None)
         except Exception as exc:  # noqa: BLE001 - every way an address can be wrong
             detail = " ".join(str(exc).split())[:200]
             raise LaunchError(f"--ray-address {address}: cannot connect to a Ray cluster there "
@@ -187,7 +191,7 @@ def _worker(config: dict[str, Any]) -> None:
         attempt = int(counter.read_text()) if counter.exists() else 0
         counter.write_text(str(attempt + 1))
     address, port, attempt = collective.broadcast_from_rank_zero((node, free_port(), attempt))
-    env = {**os.environ, **config["env"], "RANK": str(rank), "WORLD_SIZE": str(size),
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size),
            "LOCAL_RANK": str(ctx.get_local_rank()), "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()),
            "GROUP_RANK": str(ctx.get_node_rank()), "MASTER_ADDR": address, "MASTER_PORT": str(port),
            "POLYTRAIN_LAUNCHER": "ray", "POLYTRAIN_RESTART_COUNT": str(attempt)}

