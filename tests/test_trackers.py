@@ -258,3 +258,17 @@ def test_the_own_loop_logs_to_the_spec_trackers_and_a_resumed_loop_goes_on_in_th
     assert first.name.rsplit("-", 1)[1] == second.name.rsplit("-", 1)[1]
     rows = {**wandb_history(first), **wandb_history(second)}
     assert {step: row["loss"] for step, row in rows.items()} == logged
+
+
+def test_a_file_store_the_spec_names_still_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow 3 refuses its legacy file store unless allowed; a spec that names a ``file:`` URI gets it."""
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # restored after: polytrain allows it for the run
+    uri = (tmp_path / "mlruns").as_uri()
+    spec = {**SPEC, "output": str(tmp_path / "run"), "logging": {"mlflow": {"tracking_uri": uri}}}
+    Trainer(from_dict(spec), show_progress=False).fit()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("polytrain").experiment_id])
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/accuracy")}
+    assert history == {r["step"]: r["val_accuracy"] for r in read_metrics(tmp_path / "run", "epoch")}

@@ -1,7 +1,8 @@
 """An MLflow run for rank 0's records (spec ``logging.mlflow``), through `mlflow.MlflowClient`.
 
 The store is the spec's ``tracking_uri``, else MLflow's own (``MLFLOW_TRACKING_URI``, else its default SQLite
-database ``mlflow.db`` in the working directory). An experiment polytrain creates in a SQLite store keeps its
+database ``mlflow.db`` in the working directory); a ``file:`` store (MLflow's legacy one, which MLflow 3 refuses by
+default) is allowed when the spec names it. An experiment polytrain creates in a SQLite store keeps its
 artifacts beside the database (``mlartifacts/``), not in the working directory. The resolved spec goes in as
 params (dotted keys), the run's environment as ``polytrain.*`` tags, every step/epoch record as metrics, the final
 model under the ``model/`` artifact path. A resumed run reopens the run whose id its checkpoint kept; params the
@@ -43,6 +44,9 @@ class MlflowRun:
         from mlflow import MlflowClient
 
         uri = options.tracking_uri or mlflow.get_tracking_uri()
+        if uri.startswith("file:") or "://" not in uri and not uri.startswith(("sqlite:", "databricks")):
+            # a file store the spec names (MLflow 3 refuses those unless allowed: its default is SQLite)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         # the store's own log: a line per new database, a traceback per failed write; polytrain says either in one
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is not there: seconds
