@@ -15,8 +15,10 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 
 #: each backend's gradient collective in the trace: as torch.profiler names the c10d op; the MPI backend's
-#: (mpi4py, which torch.profiler does not see) as polytrain's timeline span, merged in under --timeline
-COLLECTIVE = {"ddp": "c10d::allreduce_", "fsdp": "c10d::_reduce_scatter_base_", "mpi": "gradient bucket 0"}
+#: (mpi4py, which torch.profiler does not see) as polytrain's named range around it, and as its timeline span,
+#: merged in under --timeline
+COLLECTIVE = {"ddp": {"c10d::allreduce_"}, "fsdp": {"c10d::_reduce_scatter_base_"},
+              "mpi": {"polytrain::mpi gradient sync", "gradient bucket 0"}}
 
 
 @pytest.mark.parametrize("backend", sorted(COLLECTIVE))
@@ -34,7 +36,7 @@ def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_
         assert [m["name"] for m in markers] == ["ProfilerStep#2", "ProfilerStep#3"]
         for marker in markers:
             inside = {e["name"] for e in events if marker["ts"] <= e["ts"] <= marker["ts"] + marker["dur"]}
-            assert {COLLECTIVE[backend], "aten::linear", "Optimizer.step#SGD.step"} <= inside, (rank, sorted(
+            assert {*COLLECTIVE[backend], "aten::linear", "Optimizer.step#SGD.step"} <= inside, (rank, sorted(
                 n for n in inside if n.startswith("c10d")))
     from mlflow import MlflowClient
 
