@@ -12,8 +12,9 @@ where the node has it) as a child process with
 torchrun's variables: ranks from Ray Train's context, ``GROUP_RANK`` its node rank, ``MASTER_ADDR``/``MASTER_PORT``
 chosen by rank 0's actor (loopback on a local Ray, else its node's address) and broadcast with Ray Train's
 collective, ``POLYTRAIN_LAUNCHER=ray`` (`polytrain.environments.ray`) and ``POLYTRAIN_RESTART_COUNT``: Ray restarts
-the whole worker group after a failure, and a restarted spec run with checkpoints resumes from its latest, exactly
-as under the other launchers. A child that fails fails its actor, naming its rank and node. When the children end,
+the whole worker group after a failure (rank 0 counts this launch's group starts in a file of its own, removed
+after), and a restarted spec run with checkpoints resumes from its latest, exactly as under the other launchers.
+A child that fails fails its actor, naming its rank and node. When the children end,
 every worker reports to Ray Train (`ray.train.report`): rank 0 the last epoch record of ``metrics.jsonl`` and the
 run's final model directory as the checkpoint, so Ray's result and checkpoint manager see them; the output
 directory is the same as under any launcher. Ray's own files go under ``<output>/ray`` for a spec, else Ray's
@@ -31,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,10 +97,16 @@ class RayLauncher(Launcher):
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
         output = _spec_output(list(req.program))
-        with ray_session(ray, req.ray_address, req.nproc, env=dict(req.env)):
+        # this launch's count of group starts (rank 0 keeps it on its node; removed after): a later launch into the
+        # same output starts from 0, not as a restart
+        attempts = (output / "ray" if output else Path(tempfile.gettempdir())) / f".attempts-{uuid.uuid4().hex}"
+        with contextlib.ExitStack() as stack:
+            stack.callback(lambda: attempts.unlink(missing_ok=True))
+            stack.enter_context(ray_session(ray, req.ray_address, req.nproc, env=dict(req.env)))
             gpu = bool(ray.cluster_resources().get("GPU"))
             trainer = DataParallelTrainer(
-                _worker, train_loop_config={"program": list(req.program), "loopback": not req.ray_address, "output": str(output or ""),
+                _worker, train_loop_config={"program": list(req.program), "attempts": str(attempts),
+                                            "loopback": not req.ray_address, "output": str(output or ""),
                                             "cwd": os.getcwd()},
                 scaling_config=ScalingConfig(num_workers=req.nproc, use_gpu=gpu),
                 run_config=RunConfig(name=f"polytrain-{os.getpid()}",
@@ -185,8 +193,8 @@ def _worker(config: dict[str, Any]) -> None:
     node = LOOPBACK if config["loopback"] else ray.util.get_node_ip_address()
     output = Path(config["output"]) if config["output"] else None
     attempt = 0
-    if rank == 0 and output is not None:  # how many times Ray has started this group: rank 0 counts on its node
-        counter = output / "ray" / "attempts"
+    if rank == 0:  # how many times Ray has started this launch's group: rank 0 counts on its node
+        counter = Path(config["attempts"])
         counter.parent.mkdir(parents=True, exist_ok=True)
         attempt = int(counter.read_text()) if counter.exists() else 0
         counter.write_text(str(attempt + 1))
