@@ -36,6 +36,14 @@ def installed(module: str) -> bool:
         return False
 
 
+def not_installed(requires: tuple[str, ...], install_hint: str) -> str | None:
+    """``<first missing module's distribution> is not installed (<hint>)``, or None when every module imports."""
+    for module in requires:
+        if not installed(module):
+            return f"{DISTRIBUTIONS.get(module, module)} is not installed ({install_hint})"
+    return None
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     name: str
@@ -54,10 +62,7 @@ class BackendEntry:
 
     def unusable_reason(self) -> str | None:
         """Why this backend cannot run here, or None when it can."""
-        for module in self.requires:
-            if not installed(module):
-                return f"{module} is not installed ({self.install_hint})"
-        return None
+        return not_installed(self.requires, self.install_hint)
 
 
 TORCH_HINT = "pip install 'polytrain[torch]'"
@@ -107,8 +112,7 @@ class SinkEntry:
 
     def unusable_reason(self) -> str | None:
         """Why this sink cannot run here, or None when it can."""
-        missing = [module for module in self.requires if not installed(module)]
-        return f"{', '.join(missing)} is not installed ({self.install_hint})" if missing else None
+        return not_installed(self.requires, self.install_hint)
 
     def load(self) -> Any:
         return _import(self.target)
@@ -148,10 +152,7 @@ class SourceEntry:
 
     def unusable_reason(self) -> str | None:
         """Why this source cannot be read here (a module it needs is not installed), or None when it can."""
-        for module in self.requires:
-            if not installed(module):
-                return f"{DISTRIBUTIONS.get(module, module)} is not installed ({self.install_hint})"
-        return None
+        return not_installed(self.requires, self.install_hint)
 
 
 #: the distribution that provides a module, where their names differ (for what to install)
