@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from polytrain.errors import LaunchError
 from polytrain.launchers import registry
@@ -207,6 +208,18 @@ def _set_values(program_args: Sequence[str]) -> list[str]:
     return values
 
 
+def launch_spec(target: str, program_args: Sequence[str]) -> Any:
+    """The spec file ``target`` with the ``--set`` overrides among ``program_args``, validated without importing
+    what it names by import path (see `check_spec`)."""
+    from polytrain import validation
+    from polytrain.spec_files import apply_overrides, load_raw
+    from polytrain.user_code import imports_skipped
+
+    raw = apply_overrides(load_raw(target), _set_values(program_args))
+    with imports_skipped():
+        return validation.from_dict(raw)
+
+
 def check_spec(command: Sequence[str], *, local: bool = True, world_size: int | None = None) -> None:
     """Reject a bad spec here, once, rather than in every worker (N copies of the same error, then the
     launcher's own report). Only for specs (not scripts); with remote hosts only when the file is here.
@@ -218,13 +231,7 @@ def check_spec(command: Sequence[str], *, local: bool = True, world_size: int | 
     target, program_args, _ = _split_command(list(command))
     if not target.endswith(SPEC_SUFFIXES) or not (local or Path(target).is_file()):
         return
-    from polytrain import validation
-    from polytrain.spec_files import apply_overrides, load_raw
-    from polytrain.user_code import imports_skipped
-
-    raw = apply_overrides(load_raw(target), _set_values(program_args))
-    with imports_skipped():
-        spec = validation.from_dict(raw)
+    spec = launch_spec(target, program_args)
     if world_size is not None and spec.parallel.model_parallel:  # the layout must divide the processes started
         from polytrain.layout import grid_for
 

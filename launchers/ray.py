@@ -58,18 +58,16 @@ MPI_LAUNCHED = {("tensorflow", "mpi"), ("tensorflow", "horovod")}
 
 
 def _spec_output(program: list[str]) -> Path | None:
-    """The output directory of a ``polytrain train SPEC`` program (its --set output= wins), or None; a spec whose
-    backend needs an MPI launcher is refused here, before Ray starts."""
-    if "train" not in program:
+    """The output directory of a ``polytrain train SPEC`` program (`base.program_for_target`'s form; its --set
+    output= wins), or None for a script; a spec whose backend needs an MPI launcher is refused here, before Ray
+    starts."""
+    if program[1:4] != ["-m", "polytrain.cli", "train"] or len(program) < 5:
         return None
-    from polytrain import validation
+    from polytrain.launchers.args import launch_spec
 
-    args = program[program.index("train") + 1:]
-    spec_file = next((a for a in args if a.endswith((".yaml", ".yml", ".toml", ".json"))), None)
-    sets = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--set"]
     try:
-        spec = validation.load(spec_file, sets)
-    except Exception:  # noqa: BLE001 - the workers say what is wrong with the spec, in one line
+        spec = launch_spec(program[4], program[5:])
+    except Exception:  # noqa: BLE001 - `polytrain launch` checked the spec already; the workers say what is wrong
         return None
     if (spec.framework, spec.backend) in MPI_LAUNCHED:
         raise LaunchError(f"--launcher ray: backend {spec.backend!r} takes its ranks from an MPI launcher (mpirun, "
@@ -159,19 +157,31 @@ def _connect(ray: Any, address: str | None, workers: int, worker_output: bool, e
     return temp
 
 
+def head_refusal(address: str, timeout: float) -> str | None:
+    """Why the Ray head at ``HOST:PORT`` does not take a connection within ``timeout`` seconds (the error's text),
+    or None when it does; ``ValueError`` when ``address`` is not ``HOST:PORT``."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise ValueError(address)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    return None
+
+
 def _check_reachable(address: str) -> None:
     """A ``host:port`` --ray-address must accept a connection within seconds (``auto``, ``ray://`` go to Ray)."""
-    host, colon, port = address.rpartition(":")
     if address == "auto" or "://" in address:
         return
-    if not colon or not host or not port.isdigit():
-        raise LaunchError(f"--ray-address {address}: expected HOST:PORT of the Ray head (ray status shows it), "
-                          f"'auto', or ray://HOST:PORT")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-    except OSError as exc:
-        raise LaunchError(f"--ray-address {address}: no Ray head answers there ({exc.strerror or exc}); start one "
-                          f"with `ray start --head`, or leave --ray-address out for a local Ray") from None
+        refused = head_refusal(address, timeout=5)
+    except ValueError:
+        raise LaunchError(f"--ray-address {address}: expected HOST:PORT of the Ray head (ray status shows it), "
+                          f"'auto', or ray://HOST:PORT") from None
+    if refused is not None:
+        raise LaunchError(f"--ray-address {address}: no Ray head answers there ({refused}); start one "
+                          f"with `ray start --head`, or leave --ray-address out for a local Ray")
 
 
 def _failure_line(exc: BaseException) -> str:

@@ -94,8 +94,9 @@ def accelerators() -> dict[str, Any]:
 def ray_cluster() -> dict[str, Any]:
     """The Ray cluster ``--launcher ray --ray-address auto`` would find: ``RAY_ADDRESS``, else the one ``ray start``
     recorded on this machine; whether its head accepts a connection (within 2 s)."""
-    import socket
     import tempfile
+
+    from polytrain.launchers.ray import head_refusal
 
     address = os.environ.get("RAY_ADDRESS", "").strip()
     recorded = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
@@ -103,11 +104,9 @@ def ray_cluster() -> dict[str, Any]:
         address = recorded.read_text().strip()
     if not address or "://" in address or ":" not in address:
         return {"address": address or None, "reachable": None}
-    host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        return {"address": address, "reachable": True}
-    except (OSError, ValueError):
+        return {"address": address, "reachable": head_refusal(address, timeout=2) is None}
+    except ValueError:  # HOST:PORT whose port is not a number: no head there
         return {"address": address, "reachable": False}
 
 
