@@ -24,7 +24,6 @@ default.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -227,13 +226,10 @@ def _worker(config: dict[str, Any]) -> None:
 
 def _last_epoch(path: Path) -> dict[str, Any]:
     """The last ``epoch`` record of ``metrics.jsonl`` (numbers only), with its step; empty when there is none."""
-    last: dict[str, Any] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if record.get("event") == "epoch":
-                last = record
-    return {k: v for k, v in last.items() if isinstance(v, (int, float)) and k != "time"}
+    from polytrain.metrics import read_records
+
+    epochs = [record for record in read_records(path)[0] if record.get("event") == "epoch"]
+    return {k: v for k, v in (epochs[-1] if epochs else {}).items() if isinstance(v, (int, float)) and k != "time"}
 
 
 def _model_dir(output: Path) -> Path:

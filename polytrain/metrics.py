@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv as csv_module
+import json
 import os
 import sys
 import time
@@ -82,6 +83,30 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def read_records(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The records of a ``metrics.jsonl`` from byte ``offset`` on, and the offset after the last one read (to follow
+    a run that is still writing: a last line cut short — it lacks its closing brace — is left for the next call). A
+    line that is not a JSON object (cut short by a crash) is skipped; a missing file has none."""
+    try:
+        with path.open("rb") as file:
+            file.seek(offset)
+            data = file.read()
+    except FileNotFoundError:
+        return [], offset
+    records, used = [], 0
+    for line in data.splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not line.endswith(b"\n") and record is None:
+            break  # still being written (or cut short): read again next time
+        used += len(line)
+        if isinstance(record, dict):
+            records.append(record)
+    return records, offset + used
 
 
 class Progress:

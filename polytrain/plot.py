@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.errors import UserError
+from polytrain.metrics import read_records
 
 
 def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -20,13 +21,7 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]
     if not path.is_file():
         raise UserError(f"plot: {run_dir} has no metrics.jsonl (give the output directory of a run)")
     steps, epochs = [], []
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if not isinstance(event, dict):
-            continue
+    for event in read_records(path)[0]:  # a line cut short by a crash is skipped
         if event.get("event") == "step" and all(k in event for k in ("step", "loss", "samples_per_s")):
             steps.append(event)
         elif event.get("event") == "epoch" and "epoch" in event:

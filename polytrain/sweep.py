@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
-import json
 import logging
 import os
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.errors import SpecError, UserError
+from polytrain.metrics import read_records
 
 STATUS_OK, STATUS_FAILED, STATUS_STOPPED = "done", "failed", "stopped early"
 
@@ -136,14 +136,14 @@ def _trial(config: dict[str, Any]) -> None:
     output.mkdir(parents=True, exist_ok=True)
     with (output / "sweep-trial.log").open("w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=config["cwd"])
-    seen = 0
+    offset = 0  # how far the run's metrics.jsonl has been read: each poll reads only what it added
     try:
         while True:
             done = process.poll() is not None
-            epochs = _epochs(output / "metrics.jsonl")
-            for record in epochs[seen:]:
-                tune.report({k: v for k, v in record.items() if isinstance(v, (int, float))})
-            seen = len(epochs)
+            records, offset = read_records(output / "metrics.jsonl", offset)
+            for record in records:
+                if record.get("event") == "epoch":
+                    tune.report({k: v for k, v in record.items() if isinstance(v, (int, float))})
             if done:
                 break
             time.sleep(0.2)
@@ -157,18 +157,8 @@ def _trial(config: dict[str, Any]) -> None:
 
 
 def _epochs(path: Path) -> list[dict[str, Any]]:
-    """The complete epoch records of a run's metrics.jsonl (a line still being written is left for later)."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            break
-        if record.get("event") == "epoch":
-            records.append(record)
-    return records
+    """The epoch records of a run's metrics.jsonl."""
+    return [record for record in read_records(path)[0] if record.get("event") == "epoch"]
 
 
 def _finished(output: Path) -> bool:

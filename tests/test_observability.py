@@ -113,3 +113,19 @@ def test_progress_of_another_rank_is_prefixed_and_never_a_bar() -> None:
     progress.update(2, 0.25, 10.0)
     assert progress.bar is None
     assert stream.getvalue() == "[rank 1] epoch 1/1 step 2/2 loss 0.2500 10 samples/s\n"
+
+
+def test_read_records_follows_a_log_that_is_still_being_written(tmp_path: Path) -> None:
+    """A sweep trial reads its run's metrics.jsonl while the run writes it: each call returns the records added
+    since the last, and a line not yet whole waits for the next call; a line a crash cut short is skipped."""
+    from polytrain.metrics import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    assert read_records(path) == ([], 0)
+    path.write_text('{"event": "step", "step": 1}\n{"cut short\n{"event": "epoch", "st')
+    first, offset = read_records(path)
+    assert first == [{"event": "step", "step": 1}]
+    with path.open("a") as file:
+        file.write('ep": 2}\n')
+    assert read_records(path, offset) == ([{"event": "epoch", "step": 2}], path.stat().st_size)
+    assert read_records(path)[0] == [{"event": "step", "step": 1}, {"event": "epoch", "step": 2}]
