@@ -13,7 +13,6 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from polytrain.errors import LaunchError
 from polytrain.launchers import registry
@@ -22,6 +21,7 @@ from polytrain.launchers.base import (
     HorovodOptions,
     LaunchRequest,
     SlurmOptions,
+    launch_spec,
     program_for_target,
 )
 from polytrain.launchers.hostfile import parse_hosts_string, read_hostfile
@@ -195,29 +195,6 @@ def launch_from_args(args: argparse.Namespace) -> int:
     if not args.dry_run:
         check_spec(args.launch_command, local=not req.hosts, world_size=req.nproc)
     return run(req, dry_run=args.dry_run)
-
-
-def _set_values(program_args: Sequence[str]) -> list[str]:
-    """The ``--set KEY=VALUE`` overrides among the arguments for ``polytrain train``."""
-    values = []
-    for i, arg in enumerate(program_args):
-        if arg == "--set":
-            values.append(program_args[i + 1] if i + 1 < len(program_args) else "")
-        elif arg.startswith("--set="):
-            values.append(arg.removeprefix("--set="))
-    return values
-
-
-def launch_spec(target: str, program_args: Sequence[str]) -> Any:
-    """The spec file ``target`` with the ``--set`` overrides among ``program_args``, validated without importing
-    what it names by import path (see `check_spec`)."""
-    from polytrain import validation
-    from polytrain.spec_files import apply_overrides, load_raw
-    from polytrain.user_code import imports_skipped
-
-    raw = apply_overrides(load_raw(target), _set_values(program_args))
-    with imports_skipped():
-        return validation.from_dict(raw)
 
 
 def check_spec(command: Sequence[str], *, local: bool = True, world_size: int | None = None) -> None:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from polytrain.errors import LaunchError
 from polytrain.launchers import exit_board, shm_leftovers
@@ -218,6 +218,29 @@ def program_for_target(target: str, args: Sequence[str] = ()) -> tuple[str, ...]
     raise LaunchError(
         f"launch target {target!r} must be a training spec ({', '.join(SPEC_SUFFIXES)}) or a Python script (.py)"
     )
+
+
+def set_values(program_args: Sequence[str]) -> list[str]:
+    """The ``--set KEY=VALUE`` overrides among the arguments for ``polytrain train``."""
+    values = []
+    for i, arg in enumerate(program_args):
+        if arg == "--set":
+            values.append(program_args[i + 1] if i + 1 < len(program_args) else "")
+        elif arg.startswith("--set="):
+            values.append(arg.removeprefix("--set="))
+    return values
+
+
+def launch_spec(target: str, program_args: Sequence[str]) -> Any:
+    """The spec file ``target`` with the ``--set`` overrides among ``program_args``, validated without importing
+    what it names by import path (see `args.check_spec`)."""
+    from polytrain import validation
+    from polytrain.spec_files import apply_overrides, load_raw
+    from polytrain.user_code import imports_skipped
+
+    raw = apply_overrides(load_raw(target), set_values(program_args))
+    with imports_skipped():
+        return validation.from_dict(raw)
 
 
 def format_command(command: Sequence[str], env: Mapping[str, str] | None = None) -> str:

@@ -37,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.errors import LaunchError
-from polytrain.launchers.base import Launcher, LaunchRequest
+from polytrain.launchers.base import Launcher, LaunchRequest, launch_spec
 
 LOOPBACK = "127.0.0.1"
 INSTALL_HINT = "pip install 'polytrain[ray]'"
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
+    """Ray with Ray Train, or the one-line `LaunchError` naming the extra to install."""
     try:
         import ray
         import ray.train  # noqa: F401 - Ray Train is the ray[train] extra
@@ -62,8 +63,6 @@ def _spec_output(program: list[str]) -> Path | None:
     starts."""
     if program[1:4] != ["-m", "polytrain.cli", "train"] or len(program) < 5:
         return None
-    from polytrain.launchers.args import launch_spec
-
     try:
         spec = launch_spec(program[4], program[5:])
     except Exception:  # noqa: BLE001 - `polytrain launch` checked the spec already; the workers say what is wrong
@@ -89,7 +88,7 @@ class RayLauncher(Launcher):
     def run(self, req: LaunchRequest) -> int:
         if req.hosts:
             raise LaunchError("--launcher ray runs on the Ray cluster's nodes: give --ray-address, not -H/--hostfile")
-        ray = _import_ray()
+        ray = import_ray()
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 

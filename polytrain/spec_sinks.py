@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from polytrain.errors import SpecError
 from polytrain.schema import rule
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -69,8 +70,6 @@ class ProfileSpec:
 
 def check_profile(profile: ProfileSpec) -> None:
     """The rules of one profile table across its fields (raised as `SpecError`)."""
-    from polytrain.errors import SpecError
-
     first, last = profile.steps
     if first < 1 or last < first:
         raise SpecError(f"profile.steps: {list(profile.steps)} is not a range of steps (two step numbers, the "

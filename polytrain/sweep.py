@@ -85,9 +85,9 @@ def sweep_from_args(args: argparse.Namespace) -> int:
 
 
 def _run_trials(args: argparse.Namespace, points: list[dict[str, str]], root: Path) -> list[dict[str, Any]]:
-    from polytrain.launchers.ray import _import_ray, ray_session
+    from polytrain.launchers.ray import import_ray, ray_session
 
-    ray = _import_ray()
+    ray = import_ray()
     from ray import tune
 
     program = {"spec": str(Path(args.spec).absolute()), "sets": list(args.set), "nproc": args.nproc,

@@ -60,7 +60,6 @@ class Trackers:
     def __init__(self, runs: Mapping[str, TrackerRun] | None = None, stream: TextIO | None = None) -> None:
         self.runs = dict(runs or {})
         self.stream = stream
-        self._step = 0
 
     def ids(self) -> dict[str, str]:
         """Each tracker's run id, kept in checkpoints so that a resumed run goes on in the same tracker run."""
@@ -69,10 +68,9 @@ class Trackers:
     def record(self, event: str, fields: Mapping[str, Any]) -> None:
         values = scalars(event, fields)
         if values:
-            self.log(values, int(fields.get("step", self._step)))
+            self.log(values, int(fields.get("step", 0)))  # the step TensorBoard gets too
 
     def log(self, values: Mapping[str, float], step: int) -> None:
-        self._step = step
         self._each(f"step {step}", lambda run: run.log(values, step))
 
     def log_model(self, files: Sequence[Path]) -> None:
