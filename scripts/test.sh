@@ -6,4 +6,4 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${POLYTRAIN_VENV:-$repo/.venv}"
 cd "$repo"
 "$venv/bin/ruff" check .
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 "$@"

@@ -23,7 +23,9 @@ from torch.profiler import record_function
 
 from polytrain.adapters.torch.rendezvous import (
     import_before_group,
+    let_go_of,
     listen_address,
+    live_groups,
     rendezvous_error,
     rendezvous_store,
     store_prefix,
@@ -192,18 +194,22 @@ class TorchBackend:
     def teardown(self) -> None:
         """Destroy the process groups this backend started, and let go of them: a group ends (its gloo threads
         joined, its store closed) only when nothing holds it any more. A DeviceMesh keeps its groups in a registry
-        of its own, and DTensor's caches keep the mesh for the life of the process, so that registry is emptied."""
+        of its own, and DTensor's caches keep the mesh for the life of the process, so that registry is emptied;
+        the objects an own-loop script still holds let go of them (`rendezvous.let_go_of`)."""
         tracer = getattr(self, "_tracer", None)
         if tracer is not None:
             tracer.remove()
             self._tracer = None
+        ended = []
         if getattr(self, "_owns_group", False) and dist.is_initialized():
+            ended = live_groups()
             dist.destroy_process_group()
             self._owns_group = False
         registry = getattr(self.mesh, "_pg_registry", None)
         if isinstance(registry, dict):
             registry.clear()
         self.mesh = None
+        let_go_of(ended)  # what a script kept (its FSDP2 model, ...) holds the groups no more: they end here
 
     # ---------------------------------------------------------------- training hooks
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:

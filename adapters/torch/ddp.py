@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -27,7 +28,15 @@ class DDPBackend(TorchBackend):
         if self.timeline.enabled:
             # a lambda: DDP checks the hook's annotations against classes, and ours are strings here
             ddp.register_comm_hook(None, lambda state, bucket: self._timed_allreduce(state, bucket))
+        self._wrapper = weakref.ref(ddp)  # what an own-loop script holds after `end()` (the Trainer lets go first)
         return ddp, optimizer
+
+    def teardown(self) -> None:
+        wrapper = self._wrapper() if getattr(self, "_wrapper", None) is not None else None
+        self._wrapper = None
+        if wrapper is not None:
+            run_locally(wrapper)
+        super().teardown()
 
     def _timed_allreduce(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's own allreduce of one gradient bucket, recorded on the timeline (start, end, bytes)."""
@@ -52,3 +61,12 @@ class DDPBackend(TorchBackend):
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         return model.no_sync()
+
+
+def run_locally(ddp: DistributedDataParallel) -> None:
+    """After the job: DDP's reducer (C++, out of `rendezvous.let_go_of`'s reach) holds the process group, so it
+    goes, and the wrapper a script keeps runs its module on this process as it is — forward and backward, no
+    gradient synchronisation (there is no group left to synchronise over)."""
+    ddp._pre_forward = lambda *inputs, **kwargs: (inputs, kwargs)
+    ddp._post_forward = lambda output: output
+    ddp.reducer = ddp.logger = None

@@ -38,6 +38,7 @@ from torch import nn
 
 from polytrain import jsonfiles
 from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.rendezvous import let_go_of, live_groups
 from polytrain.backend_options import check_owned
 from polytrain.errors import BackendUnavailableError, SpecError
 from polytrain.spec import TrainSpec
@@ -195,12 +196,15 @@ class DeepSpeedBackend(TorchBackend):
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.destroy()
+        ended = []
         if getattr(self, "_owns_group", False) and dist.is_initialized():
             import deepspeed.comm
 
+            ended = live_groups()
             deepspeed.comm.destroy_process_group()
             self._owns_group = False
         super().teardown()
+        let_go_of(ended)  # a script's engine, its optimizer and its parameters hold the groups no more
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
         """DeepSpeed's own ``engine.compile``: the engine's module, in place, with ZeRO's hooks kept eager."""

@@ -26,6 +26,7 @@ dimension of the layout's mesh (`data_mesh_shape`, `data_mesh`), each stage bein
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Container, Iterator, Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 
 from polytrain.adapters.torch.backend import TorchBackend, check_fp16_runs
 from polytrain.adapters.torch.execution import block_modules, compile_module, find_unit_classes
-from polytrain.errors import SpecError
+from polytrain.errors import OwnLoopError, SpecError
 from polytrain.spec import TrainSpec
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -126,6 +127,10 @@ class FSDPBackend(TorchBackend):
     alters_module = True  # fully_shard turns parameters into DTensors on the job's mesh
 
     def setup(self) -> None:
+        # before the group: ShardedGradScaler's `process_group=group.WORLD` default is evaluated at import, and
+        # would hold the group for the life of the process (see rendezvous.import_before_group)
+        import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
+
         super().setup()
         self.ensure_process_group()  # one process: FSDP still needs one
 
@@ -146,11 +151,16 @@ class FSDPBackend(TorchBackend):
         names = {id(p): n for n, p in model.named_parameters()}
         self.mesh = self._mesh()
         self._units = shard_model(model, self.spec, shard_options(self.spec, self.device, self.mesh))
+        self._root = weakref.ref(model)  # what an own-loop script holds after `end()` (the Trainer lets go first)
         # The given optimizer points at the replaced (unsharded) parameters: the same one over the new ones.
         return model, rebuilt_optimizer(optimizer, names, model)
 
     def teardown(self) -> None:
         self._units = []
+        root = self._root() if getattr(self, "_root", None) is not None else None
+        self._root = None
+        if root is not None:  # its groups are let go of (rendezvous.let_go_of): a forward could gather no more
+            root.register_forward_pre_hook(_sharded_after_the_job, prepend=True)
         super().teardown()
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
@@ -236,3 +246,9 @@ def load_optimizer_state_dcp(model: nn.Module, optimizer: torch.optim.Optimizer,
     if slots:
         set_optimizer_state_dict(model, optimizer, {"state": slots, "param_groups": current["param_groups"]},
                                  options=options)
+
+
+def _sharded_after_the_job(module: nn.Module, args: Any) -> None:
+    raise OwnLoopError("forward: this module was sharded across the ranks by fsdp and the job's process group has "
+                       "ended; use the model polytrain.fit returned, or in your own loop take the whole state with "
+                       "dist.get_state_dict(model) before dist.end()")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import types
 
 import torch.distributed as dist
 
@@ -80,6 +81,8 @@ def import_before_group() -> None:
     exists, those defaults hold that group for the life of the interpreter, `dist.destroy_process_group` only
     forgets it, and its gloo threads and TCPStore server run on into interpreter finalisation — where a gloo
     thread releasing a tensor aborts the process (SIGABRT after a finished run). Imported first, they hold None.
+    (`let_go_of` cannot reach such a default: it sits in a tuple. FSDP's gradient scaler is another: the fsdp
+    backend imports it first.)
     """
     import torch.distributed.nn  # noqa: F401
 
@@ -87,3 +90,38 @@ def import_before_group() -> None:
 def store_prefix() -> str:
     """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
     return f"polytrain/restart_{restart_count()}"
+
+
+def live_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process (the default one first), to hand to `let_go_of` once destroyed."""
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def let_go_of(groups: list[dist.ProcessGroup]) -> None:
+    """After ``groups`` were destroyed: every object that still holds one in an attribute or a list drops it, so
+    each group ends now — its gloo worker threads joined while the interpreter is alive — and not when the
+    script's last reference to a model goes, which for FSDP2's reference cycles is often interpreter shutdown,
+    where a worker freeing a tensor aborts the process (SIGABRT after a finished run). The holders are what a
+    script keeps after `end()`: FSDP2's mesh infos, a DeepSpeed engine and its optimizer and parameters, a
+    sharded gradient scaler. Module globals are left as they are, and so are tuples (see `import_before_group`);
+    a reference held in C++ (DDP's reducer) is the backend's to drop. ``groups`` is emptied.
+    """
+    if not groups:
+        return
+    import gc
+
+    ended = {id(group) for group in groups}
+    for holder in gc.get_referrers(*groups):
+        if holder is groups or isinstance(holder, (type, types.ModuleType, types.FrameType)):
+            continue
+        # an instance's attributes: its __dict__, or (Python 3.11+, a dict never asked for) the instance itself
+        attributes = holder if isinstance(holder, dict) else getattr(holder, "__dict__", None)
+        if isinstance(attributes, dict) and "__builtins__" not in attributes:
+            for key, value in list(attributes.items()):
+                if id(value) in ended:
+                    attributes[key] = None
+        elif isinstance(holder, list):
+            for index, value in enumerate(holder):
+                if id(value) in ended:
+                    holder[index] = None
+    groups.clear()

@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch
+from clean_exit_fit import native_threads
 
 from polytrain.torch import Distributed
 
@@ -38,11 +39,12 @@ def main() -> None:
         scales.append(float(dist._scaler.get_scale()))
     flat = torch.cat([v.flatten().double() for v in dist.get_state_dict(model).values()])
     same = bool(torch.equal(dist.all_reduce(flat, "max"), dist.all_reduce(flat, "min")))
+    dist.end()
+    left = native_threads()  # none, with the model and optimizer still held here (fsdp's scaler held the group)
     if dist.is_main:
         with open(out, "w") as f:
             json.dump({"world": dist.world_size, "applied": applied, "scales": scales, "same": same,
-                       "finite": bool(torch.isfinite(flat).all())}, f)
-    dist.end()
+                       "finite": bool(torch.isfinite(flat).all()), "threads_left": left}, f)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from clean_exit_fit import native_threads  # noqa: E402
 from tp_user_model import ResidualMLP, plan  # noqa: E402
 
 from polytrain.torch import Distributed  # noqa: E402
@@ -96,12 +97,13 @@ def run(which: str, backend: str, tensor: int, out: Path) -> None:
             ids += got_ids.tolist()
             logits += got_logits.reshape(len(got_ids), -1).tolist()
     state = dist.get_state_dict(model)
+    dist.end()
+    left = native_threads()  # none, with the split model still held here
     if dist.is_main:
         with open(out, "w") as f:
             json.dump({"backend": dist.backend_name, "world": dist.world_size, "losses": losses, "norms": norms,
-                       "ids": ids, "logits": logits, "draws": draws,
+                       "ids": ids, "logits": logits, "draws": draws, "threads_left": left,
                        "weights": {k: v.flatten().tolist() for k, v in state.items()}}, f)
-    dist.end()
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 """A hand-written loop on `polytrain.torch.Distributed` (tests/multiproc/own_loop_worker.py) on 2 ranks under
 real launchers equals the same loop in one process: every micro-step's loss and the final weights, with
-accumulation, clipping and an uneven final batch, on ddp, fsdp and DeepSpeed ZeRO-2/3 under torchrun, mpi under
-mpirun and the Horovod shim under mpirun; also real Horovod under horovodrun, ZeRO-2 under DeepSpeed's launcher and
-ddp under ``polytrain launch --launcher torchrun`` (srun: tests/cluster/test_slurm.py). Checkpoints cross
-backends, world sizes and the Trainer; fp16 skips an overflowed update on every rank alike."""
+accumulation, clipping and an uneven final batch, on ddp, fsdp and DeepSpeed ZeRO-3 under torchrun, mpi under
+mpirun and the Horovod shim under mpirun; also real Horovod under horovodrun, ZeRO-2 under DeepSpeed's launcher,
+ddp under ``polytrain launch --launcher torchrun`` and fsdp on Ray Train's workers (``--launcher ray``; srun:
+tests/cluster/test_slurm.py). After ``end()``, with the model still held, no group thread is left. Checkpoints
+cross backends, world sizes and the Trainer; fp16 skips an overflowed update on every rank alike."""
 
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ pytest.importorskip("torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 WORKER = str(Path(__file__).resolve().parent / "own_loop_worker.py")
-JOBS = {  # backend: (launcher, environment)
+JOBS = {  # backend: (launcher, environment); ZeRO-2 is the deepspeed-launcher case below
     "ddp": ("torchrun", {}),
     "fsdp": ("torchrun", {}),
-    "deepspeed-2": ("torchrun", {}),
     "deepspeed-3": ("torchrun", {}),
     "mpi": ("mpirun", {"MASTER_ADDR": None}),
     "horovod": ("mpirun", {"MASTER_ADDR": None, "POLYTRAIN_HOROVOD_IMPL": "shim"}),
@@ -69,6 +69,22 @@ def assert_equals_one_process(got: dict, one_process: dict, backend: str) -> Non
     assert got["weights"].keys() == one_process["weights"].keys()
     for name, values in one_process["weights"].items():
         np.testing.assert_allclose(got["weights"][name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_ended(got)
+
+
+def assert_ended(got: dict) -> None:
+    """After `end()`, with the script still holding the model and optimizer, no gloo worker or store thread is
+    left (run on into interpreter shutdown, one aborted the process now and then); a DDP model then runs as its
+    module on the process, with the trained weights; an FSDP one refuses in one line."""
+    assert got["threads_left"] == [], got["threads_left"]
+    if got["backend"] == "ddp":
+        weights = {k: np.asarray(v, dtype=np.float32) for k, v in got["weights"].items()}
+        hidden = np.maximum(weights["0.weight"].reshape(32, 64).sum(axis=1) + weights["0.bias"], 0)
+        expected = 2 * float((weights["2.weight"].reshape(10, 32) @ hidden + weights["2.bias"]).sum())
+        assert got["after_end"].startswith("local "), got["after_end"]
+        assert float(got["after_end"].split()[1]) == pytest.approx(expected, rel=1e-5)
+    elif got["backend"] == "fsdp":
+        assert got["after_end"].startswith("forward: this module was sharded across the ranks by fsdp"), got
 
 
 needs_horovod = pytest.mark.skipif(_import_error("horovod.torch") is not None,
@@ -78,18 +94,22 @@ MORE_LAUNCHERS = {  # case: (backend, launcher as procs.command names it, enviro
                            "horovod (Horovod implementation)"),
     "deepspeed-launcher": ("deepspeed-2", "launch-deepspeed", {}, "deepspeed", "deepspeed"),
     "ddp-polytrain-launch": ("ddp", "launch-torchrun", {}, "torchrun", "ddp"),
+    "fsdp-ray": ("fsdp", "launch-ray", {}, "ray", "fsdp"),
 }
 
 
 @pytest.mark.parametrize("case", [pytest.param("horovod-horovodrun", marks=needs_horovod), "deepspeed-launcher",
-                                  "ddp-polytrain-launch"])
+                                  "ddp-polytrain-launch", "fsdp-ray"])
 def test_two_ranks_equal_one_process_under_more_launchers(one_process: dict, tmp_path: Path, case: str) -> None:
     """The same loop under real Horovod's ``horovodrun --gloo`` (backend horovod on real Horovod), DeepSpeed's
-    own launcher (through ``polytrain launch --launcher deepspeed``) and ``polytrain launch --launcher torchrun``
-    (which starts a script as it starts a spec): each names its launcher to the ranks, and equals one process."""
+    own launcher (through ``polytrain launch --launcher deepspeed``), ``polytrain launch --launcher torchrun``
+    (which starts a script as it starts a spec) and Ray Train's workers on a local Ray (``--launcher ray``): each
+    names its launcher to the ranks, and equals one process."""
     backend, launcher, env, world_launcher, label = MORE_LAUNCHERS[case]
     if backend.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
+    if launcher == "launch-ray":
+        pytest.importorskip("ray.train")
     got = loop_run(tmp_path, backend, launcher, 2, env)
     assert (got["launcher"], got["label"]) == (world_launcher, label)
     assert_equals_one_process(got, one_process, backend)
@@ -249,5 +269,6 @@ def test_fp16_skips_the_overflowed_update_on_every_rank_alike(fp16_one_process: 
     one, two = fp16_one_process, fp16_run(tmp_path, backend, JOBS[backend][0], 2)
     assert one["applied"] == [True, True, False, True, True, True]  # only update 3 skipped
     assert (two["world"], two["applied"], two["scales"]) == (2, one["applied"], one["scales"])
+    assert two["threads_left"] == [], two["threads_left"]
     assert two["scales"][2] == two["scales"][1] / 2
     assert two["same"] and two["finite"]

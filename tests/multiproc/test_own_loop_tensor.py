@@ -57,6 +57,7 @@ def test_tensor_parallel_loop_equals_one_process(one_process: dict[str, dict], t
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     np.testing.assert_allclose(got["norms"], ref["norms"], rtol=1e-5)
     assert got["ids"] == ref["ids"] == list(range(13))  # each evaluation sample once, in one process's order
+    assert got["threads_left"] == [], got["threads_left"]  # the groups ended with end(), the model still held
     assert relative(got["logits"], ref["logits"]) < 1e-5
     assert got["weights"].keys() == ref["weights"].keys()  # the plain model's names (qkv rows back in order)
     for name, values in ref["weights"].items():
