@@ -89,7 +89,7 @@ class RayLauncher(Launcher):
         if req.hosts:
             raise LaunchError("--launcher ray runs on the Ray cluster's nodes: give --ray-address, not -H/--hostfile")
         ray = import_ray()
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train import RunConfig, ScalingConfig
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
         output = _spec_output(list(req.program))
@@ -107,7 +107,7 @@ class RayLauncher(Launcher):
                 scaling_config=ScalingConfig(num_workers=req.nproc, use_gpu=gpu),
                 run_config=RunConfig(name=f"polytrain-{os.getpid()}",
                                      storage_path=str(output / "ray") if output else None,
-                                     failure_config=FailureConfig(max_failures=req.max_restarts)))
+                                     failure_config=_failures(req.max_restarts)))
             try:
                 trainer.fit()
             except Exception as exc:  # noqa: BLE001 - Ray's TrainingFailedError holds each failed worker's error
@@ -182,11 +182,28 @@ def _check_reachable(address: str) -> None:
                           f"with `ray start --head`, or leave --ray-address out for a local Ray")
 
 
+def _failures(max_restarts: int) -> Any:
+    """Ray Train's failure handling for ``--max-restarts``: that many restarts of the worker group after a worker
+    fails, and as many retries of a group that cannot start. Ray's default retries such a group for ever: after a
+    lost node, workers that no longer fit the cluster would leave the job waiting, never failing."""
+    from ray.train import FailureConfig
+
+    return FailureConfig(max_failures=max_restarts, controller_failure_limit=max_restarts)
+
+
 def _failure_line(exc: BaseException) -> str:
-    """What failed, from Ray's error: each worker's ``rank R on NODE: ... exited with code C``, else its start."""
+    """What failed, from Ray's error: each worker's ``rank R on NODE: ... exited with code C``; workers that could
+    not be placed (the cluster has no room for them: a lost node, too few CPUs or GPUs); else the error's start."""
     text = " ".join(str(exc).split())
     ranks = sorted(set(re.findall(r"rank \d+ on \S+: .*? exited with code -?\d+", text)))
-    return "; ".join(ranks) if ranks else text[:400] + ("..." if len(text) > 400 else "")
+    if ranks:
+        return "; ".join(ranks)
+    unplaced = re.search(r"startup timed out after ([\d.]+) seconds waiting for (\d+) workers", text)
+    if unplaced:
+        return (f"Ray could not place the {unplaced.group(2)} workers within {float(unplaced.group(1)):g} s: the "
+                f"cluster has no room for them (a node lost, or too few CPUs/GPUs free; `ray status` shows them); "
+                f"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S on the cluster sets how long it waits")
+    return text[:400] + ("..." if len(text) > 400 else "")
 
 
 def _worker(config: dict[str, Any]) -> None:

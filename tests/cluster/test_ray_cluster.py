@@ -1,0 +1,100 @@
+"""``polytrain launch --launcher ray --ray-address`` on a real 2-node Ray cluster (issue 30): ``ray start --head`` on
+h1, ``ray start --address`` on h2, one CPU each, so the two workers land on different hosts and the job's traffic
+crosses the bridge (the rendezvous names a host's address, never loopback). The cluster uses Ray's token
+authentication with a token file of its own (0600, named by ``RAY_AUTH_TOKEN_PATH``; no secret on a command line).
+
+- A 2-host job trains exactly what the same spec trains on 2 processes of one host under torchrun.
+- h2's node killed mid-training (every Ray and job process on it SIGKILLed) with ``--max-restarts 1``: the two
+  workers no longer fit the one CPU left, and the job ends with one line saying so — Ray's default would retry the
+  worker group for ever — with no job process left on h1. Ray is told to wait 10 s for a group to start
+  (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s by default) to keep the test short; the test prints the time
+  from the kill to the launcher's exit.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jobs import SPEC, launch, sets
+from procs import train
+
+from polytrain.checkpoint import read_model
+
+pytest.importorskip("ray.train")
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
+
+RAY = str(Path(sys.executable).parent / "ray")
+PORT = 6391
+EPOCHS = ("loop.epochs=2",)
+
+
+@pytest.fixture
+def ray_cluster(cluster, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A Ray head on h1 and a worker node on h2 (one CPU each); the environment that reaches it. Killed after,
+    its session files removed."""
+    token = tmp_path / "ray_token"
+    token.write_text(secrets.token_hex(32))
+    os.chmod(token, 0o600)
+    env = cluster.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
+                      RAY_DEDUP_LOGS="0")
+    h1, h2 = cluster.hosts
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    temp = tempfile.mkdtemp(prefix="ptray-")  # short: Ray's socket paths live under it
+    try:
+        for host, args in ((h1, ["--head", f"--port={PORT}", "--include-dashboard=false", f"--temp-dir={temp}"]),
+                           (h2, [f"--address={h1.addr}:{PORT}"])):
+            started = host.run([RAY, "start", f"--node-ip-address={host.addr}", *args, *common], env=env, check=False)
+            assert started.returncode == 0, f"ray start on {host.name}:\n{started.stdout[-2000:]}{started.stderr[-3000:]}"
+        yield env
+    finally:
+        for host in (h2, h1):  # SIGKILL, within the host's namespace (`ray stop` would stop any Ray on the machine)
+            host.kill_all()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def ray_job(cluster, env: dict[str, str], out: Path, *extra: str, flags: tuple[str, ...] = ()):
+    return launch(cluster, "launch", "--launcher", "ray", "--ray-address", f"{cluster.hosts[0].addr}:{PORT}", "-np",
+                  "2", *flags, str(SPEC), *sets(f"output={out}", *extra), env=env)
+
+
+def test_a_two_host_job_trains_what_one_host_trains_and_a_lost_node_ends_it_in_one_line(
+        cluster, ray_cluster: dict[str, str], tmp_path: Path) -> None:
+    """One Ray cluster for both halves (each test gets its hosts' processes killed after it)."""
+    job = ray_job(cluster, ray_cluster, tmp_path / "ray", *EPOCHS).check(timeout=300)
+    addresses = {host.addr for host in cluster.hosts}
+    assert any(f"multi-node: the address {addr} names here" in job.stdout + job.stderr for addr in addresses), \
+        job.text()
+    reference = train(tmp_path / "one-host", EPOCHS, spec=SPEC, launcher="torchrun", nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, manifest = read_model(tmp_path / "ray")
+    want, _ = read_model(tmp_path / "one-host")
+    assert manifest["world_size"] == 2 and sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+    out = tmp_path / "out"
+    job = ray_job(cluster, ray_cluster, out, "loop.epochs=300", flags=("--max-restarts", "1"))
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 200
+    while not (metrics.exists() and '"event": "epoch"' in metrics.read_text()):
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.text()
+        time.sleep(0.2)
+    h1, h2 = cluster.hosts
+    assert h2.kill_all(), "nothing ran on h2"
+    killed = time.monotonic()
+    code = job.wait(timeout=240)
+    print(f"\nray, h2's node killed: the launcher exited {code} after {time.monotonic() - killed:.1f} s")
+    assert code == 1, job.text()
+    assert "polytrain: the Ray job failed: Ray could not place the 2 workers within 10 s: the cluster has no room " \
+           "for them (a node lost" in job.stderr, job.text()
+    time.sleep(1)  # the failed rank's process ends with its worker actor
+    assert not [cmd for cmd in h1.commands().values() if "polytrain.cli train" in cmd], h1.commands()
