@@ -125,3 +125,27 @@ def split_groups(params: Sequence[torch.Tensor], groups: Any) -> list[list[int]]
             out.append(members)
     out.extend([i] for i, p in enumerate(params) if id(p) not in seen)
     return out
+
+
+def name_parameters(param_groups: Sequence[dict[str, Any]], named_parameters: Any) -> dict[torch.Tensor, str]:
+    """DistributedOptimizer's parameter names (Horovod's ``allreduce.noname.<group>.<index>`` where none are
+    given), refusing what Horovod refuses: items that are not pairs, duplicate names, unnamed parameters."""
+    if named_parameters is None:
+        named = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(param_groups)
+                 for j, p in enumerate(group["params"])]
+    else:
+        named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                         "by model.named_parameters().")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                         + ", ".join(dups))
+    named_ids = {id(p) for _, p in named}
+    unnamed = [id(p) for g in param_groups for p in g["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         "Python object ids: " + ", ".join(map(str, unnamed)))
+    return {p: n for n, p in named}

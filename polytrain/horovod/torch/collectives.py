@@ -12,14 +12,14 @@ Alltoall and reducescatter are in `scatter`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from polytrain.horovod.common import Adasum, Average, reduce_op_name, resolve_average
-from polytrain.horovod.torch import stall, transport
+from polytrain.horovod.torch import speculate, stall, transport
 from polytrain.horovod.torch.pending import Pending, combine, poll, submit, synchronize
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
 from polytrain.horovod.torch.runtime import runtime
@@ -49,12 +49,15 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def announce(pending: Pending, kind: int, tensors: Sequence[torch.Tensor], process_set: ProcessSet,
-             extra: int = 0, uneven: bool = False, needed: bool = False) -> torch.Tensor | None:
+             extra: int = 0, uneven: bool = False, needed: bool = False,
+             payload: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor | speculate.Hit | None:
     """Exchange and verify this op's metadata record before any data moves (at launch).
 
     Verifying first matters: gloo aborts the whole process (std::terminate) when ranks
     exchange buffers of different sizes. The exchange is skipped when the check is off,
-    unless the caller ``needed`` the other ranks' records (allgather and alltoall sizes).
+    unless the caller ``needed`` the other ranks' records (allgather and alltoall sizes),
+    and when every rank sent the op the ranks predicted (`speculate`; ``payload`` makes this
+    rank's data for it): then the op is done, and its result comes back as `speculate.Hit`.
     Fills in ``pending``'s place in the sequence; returns the records, if exchanged.
     """
     group, size, _ = resolve(process_set)
@@ -70,12 +73,25 @@ def announce(pending: Pending, kind: int, tensors: Sequence[torch.Tensor], proce
     if not needed and not checking:
         return None
     record = stall.make_record(kind, pending.name, tensors, extra=extra, uneven=uneven)
+    hit = speculate.slot(set_id, record, group, size, pending.label, seq, payload)
+    if hit is not None:
+        return hit
     work, records = stall.start_exchange(record, group, size)
     stall.wait(work, pending.label, set_id, seq, group)
+    pieces = speculate.allreduce_pieces(speculate.row_of(record), tensors[0].device) if tensors else None
+    speculate.learn(set_id, records, extra, pieces)
     if checking:
         stall.verify(records, pending.name, group, set_id, seq, uneven=uneven,
                      joined_ok=kind in JOINABLE and set_id == 0)
     return records
+
+
+def flagged(tensors: Sequence[torch.Tensor], prescale_factor: float, flag: int) -> torch.Tensor:
+    """``tensors`` flattened into one buffer, pre-scaled, with ``flag`` appended (a predicted op's data)."""
+    with torch.no_grad():
+        buffer = torch.cat([t.reshape(-1) for t in tensors] + [tensors[0].new_full((1,), flag)])
+        scale_(buffer[:-1], prescale_factor)
+    return buffer
 
 
 def contiguous(tensor: torch.Tensor) -> None:
@@ -90,7 +106,12 @@ def _allreduce_async(tensor: torch.Tensor, output: torch.Tensor, name: str | Non
     _, size, _ = resolve(process_set)
 
     def launch(pending: Pending) -> None:
-        announce(pending, stall.ALLREDUCE, [tensor], process_set, extra=op)
+        answer = announce(pending, stall.ALLREDUCE, [tensor], process_set, extra=op,
+                          payload=lambda flag: flagged([tensor], prescale_factor, flag))
+        if isinstance(answer, speculate.Hit):  # reduced already, in the predicted op's buffer
+            with torch.no_grad():
+                output.view(-1).copy_(answer.data)
+            return
         if output is not tensor:
             with torch.no_grad():
                 output.copy_(tensor)
@@ -129,7 +150,11 @@ def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], outputs: Sequence[
     buffers: list[tuple[list[int], torch.Tensor]] = []
 
     def launch(pending: Pending) -> None:
-        announce(pending, stall.GROUPED_ALLREDUCE, tensors, process_set, extra=op)
+        answer = announce(pending, stall.GROUPED_ALLREDUCE, tensors, process_set, extra=op,
+                          payload=lambda flag: flagged(tensors, prescale_factor, flag))
+        if isinstance(answer, speculate.Hit):  # one dtype, reduced already
+            buffers.append((list(range(len(tensors))), answer.data))
+            return
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(index)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from polytrain.horovod.common import HorovodInternalError, Sum
-from polytrain.horovod.torch import stall, transport
+from polytrain.horovod.torch import speculate, stall, transport
 from polytrain.horovod.torch.pending import flush
 from polytrain.horovod.torch.process_sets import global_process_set
 from polytrain.horovod.torch.runtime import runtime
@@ -42,8 +42,10 @@ def join(device: int = -1) -> int:
         return int(state.store.get(f"join/{_joins}/last").decode())
     while True:
         seq = stall.next_seq(0)
+        speculate.slot(0, None, None, size, "join", seq)  # a joined rank never sends a predicted op's data
         work, records = stall.start_exchange(stall.make_record(stall.JOIN, None, [], extra=int(last)), None, size)
         stall.wait(work, "join", 0, seq, None)
+        speculate.learn(0, records)
         if bool((records[:, stall.KIND] == stall.JOIN).all()):
             return int((records[:, stall.EXTRA] == 1).nonzero()[0, 0])
         active = records[records[:, stall.KIND] != stall.JOIN]
@@ -62,7 +64,7 @@ def _serve(record: torch.Tensor, seq: int) -> None:
             raise HorovodInternalError("a DistributedOptimizer step reached a joined rank that has no "
                                               "optimizer with the same parameters")
         op = Sum
-        buffers = [torch.zeros(numel, dtype=dtype) for numel, dtype in layout]
+        buffers = [torch.zeros(numel, dtype=dtype) for numel, dtype in layout]  # each with its spare flag element
     else:
         code = int(record[stall.DTYPE])
         if not 0 < code <= len(stall.DTYPES):

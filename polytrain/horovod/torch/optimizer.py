@@ -6,6 +6,8 @@ During ``backward()`` a post-accumulate-grad hook marks each gradient ready; onc
 gradient of a bucket (see `buckets`) is ready the bucket is copied into one flat buffer
 and its allreduce starts asynchronously, overlapping with the rest of backward.
 ``step()`` (or ``synchronize()``) waits, scales and copies the results back into ``.grad``.
+A step the ranks predict (`speculate`) launches its buckets without waiting for the step's
+metadata exchange; the verdict, in the first bucket's spare last element, is read before the step.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from typing import Any
 import torch
 
 from polytrain.horovod.common import Adasum, Average
-from polytrain.horovod.torch import stall, transport
+from polytrain.horovod.torch import speculate, stall, transport
 from polytrain.horovod.torch.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
     layout_id,
+    name_parameters,
     plan_buckets,
     split_groups,
 )
@@ -67,7 +70,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._groups = groups
-        self._parameter_names = self._name_parameters(named_parameters)
+        self._parameter_names = name_parameters(self.param_groups, named_parameters)
         self._synchronized = False
         self._should_synchronize = True
         self._hooks: list[Any] = []
@@ -131,31 +134,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._build()
 
     # --------------------------------------------------------------- setup
-    def _name_parameters(self, named_parameters: Any) -> dict[torch.Tensor, str]:
-        if named_parameters is None:
-            named = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(self.param_groups)
-                     for j, p in enumerate(group["params"])]
-        else:
-            named = list(named_parameters)
-        if any(not isinstance(item, tuple) for item in named):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
-                             "by model.named_parameters().")
-        names = [n for n, _ in named]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
-                             + ", ".join(dups))
-        named_ids = {id(p) for _, p in named}
-        unnamed = [id(p) for g in self.param_groups for p in g["params"] if id(p) not in named_ids]
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             "Python object ids: " + ", ".join(map(str, unnamed)))
-        return {p: n for n, p in named}
-
     def _build(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._pieces: speculate.Pieces = ()
         OPTIMIZER_LAYOUTS.pop(self._layout, None)
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names = [self._parameter_names[p] for p in params]
@@ -167,8 +150,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reset_step()
         if not self.process_set.included() or self.process_set.size() == 1:
             return
-        OPTIMIZER_LAYOUTS[self._layout] = [
-            (b.numel, self._compression.compress(torch.zeros(1, dtype=b.dtype))[0].dtype) for b in self._buckets]
+        # every bucket's buffer has a spare last element: a predicted step's flag (see `speculate`)
+        self._pieces = tuple((b.numel + 1, self._compression.compress(torch.zeros(1, dtype=b.dtype))[0].dtype,
+                              b.device) for b in self._buckets)
+        OPTIMIZER_LAYOUTS[self._layout] = [(numel, dtype) for numel, dtype, _ in self._pieces]
         if settings.metadata_check:
             self._verify_layout(names, params)
         for bucket in self._buckets:
@@ -193,6 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next_launch = 0
         self._record: tuple[Any, torch.Tensor] | None = None
         self._verified = False
+        self._speculating = False  # buckets launched as the predicted step, before any exchange
         self._sparse = []
         self._synchronized = False
 
@@ -216,7 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _fill(self, bucket: Bucket, p: torch.Tensor) -> None:
         if bucket.buffer is None:
-            bucket.buffer = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.buffer = torch.zeros(bucket.numel + 1, dtype=bucket.dtype, device=bucket.device)
         slot = bucket.slots[id(p)]
         view = bucket.buffer[bucket.offsets[slot]:bucket.offsets[slot] + p.numel()]
         grad = p.grad
@@ -260,7 +246,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         record = stall.make_record(stall.OPTIMIZER, None, [], extra=self._layout)
         group, size, _ = resolve(self.process_set)
+        if speculate.expect(set_id, record, self._pieces, group, size, "DistributedOptimizer step", self._seq):
+            self._verified = self._speculating = True  # the buckets go now; their verdict is read before the step
+            speculate.defer(set_id, lambda: self._settle(record))
+            return
         self._record = stall.start_exchange(record, group, size)
+
+    def _settle(self, record: torch.Tensor) -> None:
+        """Read the predicted step's verdict from the first bucket. On a miss every rank completes the predicted
+        allreduces (zeros for buckets not launched yet), exchanges records as without prediction (a mismatch
+        raises on every rank there) and launches its buckets again."""
+        group, size, _ = resolve(self.process_set)
+        set_id = self.process_set.process_set_id
+        label = "DistributedOptimizer step"
+        work, sent, _ = self._buckets[0].launched
+        stall.wait(work, label, set_id, self._seq, group)
+        self._speculating = False
+        if speculate.verdict(set_id, speculate.row_of(record), self.op, float(sent[-1]), size):
+            return
+        works = [b.launched[0] if b.launched is not None else transport.all_reduce(
+            torch.zeros(numel, dtype=dtype, device=device), self.op, group)
+            for b, (numel, dtype, device) in zip(self._buckets, self._pieces)]
+        for work in works:
+            stall.wait(work, label, set_id, self._seq, group)
+        self._record = stall.start_exchange(record, group, size)
+        self._check_record(block=True)
+        self._next_launch, self._sparse = 0, []
+        for bucket in self._buckets:
+            bucket.launched = None
+            for p in bucket.params:
+                if self._passes.get(id(p), 0) == self.backward_passes_per_step:
+                    self._fill(bucket, p)
+        self._launch_ready()
 
     def _check_record(self, block: bool) -> bool:
         work, records = self._record
@@ -269,6 +286,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group = self.process_set.group
         set_id = self.process_set.process_set_id
         stall.wait(work, "DistributedOptimizer step", set_id, self._seq, group)
+        speculate.learn(set_id, records, self.op, self._pieces)
         stall.verify(records, "DistributedOptimizer step", group, set_id, self._seq, joined_ok=set_id == 0)
         self._verified = True
         return True
@@ -277,6 +295,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.op == Average and self.gradient_predivide_factor != 1.0:
             scale_(bucket.buffer, 1.0 / self.gradient_predivide_factor)
         sent, ctx = self._compression.compress(bucket.buffer)
+        if bucket.index == 0 and self._speculating:
+            sent[-1] = speculate.flag(self.op)
         group = self.process_set.group
         bucket.launched_at = runtime().timeline.now()
         work = transport.all_reduce(sent, self.op, group)
@@ -297,6 +317,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         self._fill(bucket, p)
                 bucket.ready = len(bucket.params)
         self._launch_ready(block=True)
+        speculate.settle(self.process_set.process_set_id)
         group, size, _ = resolve(self.process_set)
         post = self.gradient_predivide_factor if self.op == Average else 1.0
         if self.op == Average:

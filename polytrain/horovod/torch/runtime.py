@@ -37,6 +37,8 @@ class Runtime:
     queue: list[Any] = field(default_factory=list)
     #: op name -> its not yet synchronized op (Horovod's duplicate-name check)
     active: dict[str, Any] = field(default_factory=dict)
+    #: per process-set id, the agreed ops each op was followed by (see `speculate`)
+    speculation: dict[int, Any] = field(default_factory=dict)
 
 
 basics: Basics[Runtime] = Basics()

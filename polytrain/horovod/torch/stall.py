@@ -6,7 +6,7 @@ the same records, so a mismatch raises `CollectiveMismatchError` on every rank, 
 what each rank called. The records also carry what allgather/alltoall need anyway (each
 rank's first dimension, the splits). ``POLYTRAIN_HOROVOD_METADATA_CHECK=0`` turns the
 check off for ops that do not need the exchange (allreduce, broadcast, reducescatter,
-barrier, the optimizer's per-step record).
+barrier, the optimizer's per-step record). An op every rank can predict skips the exchange (`speculate`).
 
 Waits are monitored: a collective still incomplete after ``HOROVOD_STALL_CHECK_TIME_SECONDS``
 prints Horovod's stall warning naming the tensor and the ranks that have not submitted it
