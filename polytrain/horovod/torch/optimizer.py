@@ -328,7 +328,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             stall.wait(work, f"{bucket.label()} (gradient bucket {bucket.index})",
                        self.process_set.process_set_id, self._seq, group)
             timeline.complete(f"gradient bucket {bucket.index}", "collective", bucket.launched_at, timeline.now(),
-                              track=COLLECTIVES, op="allreduce", bytes=sent.numel() * sent.element_size(),
+                              track=COLLECTIVES, op="allreduce", bytes=(sent.numel() - 1) * sent.element_size(),  # not the spare flag
                               tensors=bucket.label())
             reduced = self._compression.decompress(sent, ctx)
             # scale while copying back (one pass over the bucket, not two) where every gradient is dense
