@@ -6,4 +6,6 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${POLYTRAIN_VENV:-$repo/.venv}"
 cd "$repo"
 "$venv/bin/ruff" check .
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 "$@"
+# two workers (pytest-xdist): most of a multi-process test's time is process start-up, which the other worker's
+# tests fill; a file's tests stay on one worker (tests/conftest.py's groups)
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup "$@"

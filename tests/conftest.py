@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from procs import loopback_env
+
+TESTS = Path(__file__).resolve().parent
+#: files that start local Ray clusters: one at a time (scripts/test.sh runs two pytest workers)
+RAY_FILES = ("test_ray.py", "test_own_loop.py", "test_elastic.py", "test_sweep.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a file's tests run on one worker, so its
+    module fixtures are made once; the namespace-cluster tests share one worker (its session cluster), and so do
+    the files that start local Ray clusters."""
+    for item in items:
+        path = item.path.relative_to(TESTS)
+        group = ("cluster" if path.parts[0] == "cluster" else "ray" if path.name in RAY_FILES else str(path))
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture

@@ -72,14 +72,13 @@ def announce(pending: Pending, kind: int, tensors: Sequence[torch.Tensor], proce
     checking = runtime().settings.metadata_check
     if not needed and not checking:
         return None
-    record = stall.make_record(kind, pending.name, tensors, extra=extra, uneven=uneven)
-    hit = speculate.slot(set_id, record, group, size, pending.label, seq, payload)
+    row = tuple(stall.record_values(kind, pending.name, tensors, extra=extra, uneven=uneven))
+    hit = speculate.slot(set_id, row, group, size, pending.label, seq, payload)
     if hit is not None:
         return hit
-    work, records = stall.start_exchange(record, group, size)
+    work, records = stall.start_exchange(torch.tensor(row, dtype=torch.int64), group, size)
     stall.wait(work, pending.label, set_id, seq, group)
-    pieces = speculate.allreduce_pieces(speculate.row_of(record), tensors[0].device) if tensors else None
-    speculate.learn(set_id, records, extra, pieces)
+    speculate.learn(set_id, records, extra, speculate.allreduce_pieces(row, tensors[0].device) if tensors else None)
     if checking:
         stall.verify(records, pending.name, group, set_id, seq, uneven=uneven,
                      joined_ok=kind in JOINABLE and set_id == 0)
@@ -89,8 +88,13 @@ def announce(pending: Pending, kind: int, tensors: Sequence[torch.Tensor], proce
 def flagged(tensors: Sequence[torch.Tensor], prescale_factor: float, flag: int) -> torch.Tensor:
     """``tensors`` flattened into one buffer, pre-scaled, with ``flag`` appended (a predicted op's data)."""
     with torch.no_grad():
-        buffer = torch.cat([t.reshape(-1) for t in tensors] + [tensors[0].new_full((1,), flag)])
+        buffer = torch.empty(sum(t.numel() for t in tensors) + 1, dtype=tensors[0].dtype, device=tensors[0].device)
+        if len(tensors) == 1:
+            buffer[:-1].copy_(tensors[0].reshape(-1))
+        else:
+            torch.cat([t.reshape(-1) for t in tensors], out=buffer[:-1])
         scale_(buffer[:-1], prescale_factor)
+        buffer[-1] = flag
     return buffer
 
 

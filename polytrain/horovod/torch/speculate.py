@@ -127,8 +127,7 @@ def row_of(record: torch.Tensor) -> Row:
     return tuple(int(v) for v in record.tolist())
 
 
-def _mine(successor: _Successor, record: torch.Tensor | None) -> bool:
-    return record is not None and row_of(record) == successor.record
+
 
 
 def _decoy(successor: _Successor, group: Any) -> list[Any]:
@@ -154,7 +153,7 @@ def verdict(set_id: int, successor_row: Row, op: int, flag: float, size: int) ->
     return True
 
 
-def slot(set_id: int, record: torch.Tensor | None, group: Any, size: int, label: str, seq: int,
+def slot(set_id: int, record: Row | None, group: Any, size: int, label: str, seq: int,
          payload: Callable[[int], torch.Tensor] | None = None) -> Hit | None:
     """This op's place in the sequence, when the ops before it predict one: the predicted allreduce(s), run by every
     rank, waited for. ``record``/``payload``: this rank's record and a maker of its flattened data with the flag
@@ -164,7 +163,7 @@ def slot(set_id: int, record: torch.Tensor | None, group: Any, size: int, label:
     history, successor = _predicted(set_id, size)
     if successor is None:
         return None
-    if payload is not None and len(successor.pieces) == 1 and _mine(successor, record):
+    if payload is not None and len(successor.pieces) == 1 and record == successor.record:
         buffer = payload(_FLAGS[successor.op][0])
         works = [transport.all_reduce(buffer, successor.op, group)]
     else:
@@ -174,7 +173,7 @@ def slot(set_id: int, record: torch.Tensor | None, group: Any, size: int, label:
     if buffer is None:  # this rank sent zeros: not every rank sent the op
         history.misses += 1
         return None
-    return Hit(buffer[:-1]) if verdict(set_id, successor.record, successor.op, float(buffer[-1]), size) else None
+    return Hit(buffer[:-1]) if verdict(set_id, successor.record, successor.op, buffer[-1].item(), size) else None
 
 
 def expect(set_id: int, record: torch.Tensor, pieces: Pieces, group: Any, size: int, label: str, seq: int) -> bool:
@@ -184,7 +183,7 @@ def expect(set_id: int, record: torch.Tensor, pieces: Pieces, group: Any, size: 
     _, successor = _predicted(set_id, size)
     if successor is None:
         return False
-    if successor.pieces == pieces and _mine(successor, record):
+    if successor.pieces == pieces and row_of(record) == successor.record:
         return True
     for work in _decoy(successor, group):
         stall.wait(work, label, set_id, seq, group)

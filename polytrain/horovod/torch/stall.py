@@ -64,6 +64,12 @@ def dtype_of(code: int) -> torch.dtype:
 def make_record(kind: int, name: str | None, tensors: Sequence[torch.Tensor], extra: int = 0,
                 uneven: bool = False) -> torch.Tensor:
     """This rank's record; with ``uneven`` the first dimension may differ across ranks."""
+    return torch.tensor(record_values(kind, name, tensors, extra, uneven), dtype=torch.int64)
+
+
+def record_values(kind: int, name: str | None, tensors: Sequence[torch.Tensor], extra: int = 0,
+                  uneven: bool = False) -> list[int]:
+    """`make_record`'s fields, as Python ints."""
     record = [0] * RECORD
     record[KIND], record[NAME], record[EXTRA], record[COUNT] = kind, crc(name or ""), extra, len(tensors)
     if len(tensors) == 1:
@@ -79,7 +85,7 @@ def make_record(kind: int, name: str | None, tensors: Sequence[torch.Tensor], ex
         record[DTYPE] = dtype_code(next(iter(dtypes))) if len(dtypes) == 1 else -crc(str(sorted(map(str, dtypes))))
         record[SHAPE] = crc(str([tuple(t.shape) for t in tensors]))
         record[NUMEL] = sum(t.numel() for t in tensors)
-    return torch.tensor(record, dtype=torch.int64)
+    return record
 
 
 def describe(record: Sequence[int], name: str | None) -> str:
