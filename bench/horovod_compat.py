@@ -140,6 +140,13 @@ def worker(mode: str, steps: int, max_kib: int, out_dir: str) -> None:
     result["small"] = small_tensors(hvd, hvd.barrier)
     path = Path(out_dir) / f"{mode}.rank{hvd.rank()}.json"
     path.write_text(json.dumps(result))
+    # free the DDP model while every rank's collectives are done: freed at exit, its reducer joined gloo's threads
+    # with the GIL held while a gloo thread waited for the GIL (the bench hung there in 1 run of 3)
+    hvd.barrier()
+    steps_to_time.clear()
+    import gc
+
+    gc.collect()
     hvd.shutdown()
 
 
