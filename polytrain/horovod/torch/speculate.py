@@ -19,7 +19,7 @@ shared prediction. A miss costs the predicted allreduces; the history then learn
 Predicted: small allreduces (plain or grouped, one dtype, up to `SMALL_BYTES`; larger ones keep the exchange,
 cheap beside their transfer, and launch asynchronously), which wait for the verdict at launch; and a
 DistributedOptimizer's step, whose gradient buckets then launch during backward without waiting for any
-exchange, the verdict read from the first bucket before the step uses them (`expect`, `resolve`).
+exchange, the verdict read from the first bucket before the step uses them (`expect`, `defer`, `settle`).
 """
 
 from __future__ import annotations
@@ -127,9 +127,6 @@ def row_of(record: torch.Tensor) -> Row:
     return tuple(int(v) for v in record.tolist())
 
 
-
-
-
 def _decoy(successor: _Successor, group: Any) -> list[Any]:
     """Zeros in the predicted op's shape, flagged as not sent; the started works."""
     works = []
@@ -164,7 +161,7 @@ def slot(set_id: int, record: Row | None, group: Any, size: int, label: str, seq
     if successor is None:
         return None
     if payload is not None and len(successor.pieces) == 1 and record == successor.record:
-        buffer = payload(_FLAGS[successor.op][0])
+        buffer = payload(flag(successor.op))
         works = [transport.all_reduce(buffer, successor.op, group)]
     else:
         buffer, works = None, _decoy(successor, group)
