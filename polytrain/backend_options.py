@@ -37,17 +37,47 @@ class FSDPSpec:
             raise SpecError("fsdp.units: class names must not be blank")
 
 
+OFFLOAD_CHOICES = (False, True, "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class AioSpec:
+    """DeepSpeed's ``aio`` table (its names and defaults): how the nvme offloads read and write their files."""
+
+    block_size: int = rule(1048576, min=4096)  # bytes per I/O request
+    queue_depth: int = rule(8, min=1)  # requests in flight
+    intra_op_parallelism: int = rule(1, min=1)  # threads splitting one read or write
+    single_submit: bool = False  # submit requests one by one (else in batches)
+    overlap_events: bool = True  # submit new requests while earlier ones complete
+
+
 @dataclass(frozen=True)
 class DeepSpeedSpec:
     """Options of backend ``deepspeed``; ``config`` overrides any key of the generated DeepSpeed config."""
 
     stage: int = rule(2, choices=(0, 1, 2, 3))  # ZeRO stage
-    offload_optimizer: bool = False  # optimizer state and step on the CPU (ZeRO-Offload, stage >= 1)
-    offload_param: bool = False  # parameters in CPU memory (ZeRO-Infinity, stage 3)
+    # where the optimizer state and step go: false (the device), true or cpu (host memory, ZeRO-Offload,
+    # stage >= 1), nvme (files under nvme_path, ZeRO-Infinity, stage 3)
+    offload_optimizer: bool | str = rule(False, choices=OFFLOAD_CHOICES)
+    # where partitioned parameters rest between uses: false, true or cpu (host memory), nvme; stage 3 only
+    offload_param: bool | str = rule(False, choices=OFFLOAD_CHOICES)
+    nvme_path: str | None = None  # the directory (a local NVMe drive) the nvme offloads write to
+    aio: AioSpec = field(default_factory=lambda: AioSpec())  # DeepSpeed's async I/O settings for the nvme offloads
     save_checkpoint: bool = False  # also write DeepSpeed's own checkpoint to <output>/deepspeed_checkpoint
     config: Mapping[str, Any] = field(default_factory=dict)  # merged key by key over the generated config
 
+    @property
+    def optimizer_device(self) -> str:
+        """Where the optimizer state is offloaded: "" (nowhere), "cpu" or "nvme"."""
+        return offload_device(self.offload_optimizer)
+
+    @property
+    def param_device(self) -> str:
+        """Where partitioned parameters are offloaded: "" (nowhere), "cpu" or "nvme"."""
+        return offload_device(self.offload_param)
+
     def check(self, spec: TrainSpec) -> None:
+        self._check_nvme()
         if self.offload_param and self.stage != 3:
             raise SpecError(f"deepspeed.offload_param: needs deepspeed.stage 3, not {self.stage}")
         if spec.backend == "deepspeed" and self.stage > 0 and spec.reliability.on_nonfinite == "skip":
@@ -73,6 +103,32 @@ class DeepSpeedSpec:
                 raise SpecError(f"deepspeed.config.zero_optimization.{key}: set deepspeed.{key}: true instead (the "
                                 f"spec owns whether it is on; deepspeed.config may then tune its other keys)")
 
+    def _check_nvme(self) -> None:
+        nvme = [key for key in ("offload_optimizer", "offload_param") if getattr(self, key) == "nvme"]
+        if nvme and self.stage != 3:
+            raise SpecError(f"deepspeed.{nvme[0]}: nvme needs deepspeed.stage 3, not {self.stage} (ZeRO-Infinity); "
+                            "stages 1 and 2 offload to cpu only")
+        if nvme and not self.nvme_path:
+            raise SpecError(f"deepspeed.nvme_path: required with deepspeed.{nvme[0]}: nvme (a directory on the "
+                            "drive the offloaded tensors are written to)")
+        if not nvme and self.nvme_path:
+            raise SpecError("deepspeed.nvme_path: only used with deepspeed.offload_optimizer or offload_param: nvme")
+        if not nvme and self.aio != AioSpec():
+            raise SpecError("deepspeed.aio: only used with deepspeed.offload_optimizer or offload_param: nvme")
+        if "aio" in self.config:
+            raise SpecError("deepspeed.config.aio: set deepspeed.aio instead (the spec owns DeepSpeed's aio table)")
+        for key in ("offload_optimizer", "offload_param"):
+            device = offload_device(getattr(self, key))
+            if device:
+                check_owned(self.config, ("zero_optimization", key, "device"), f"deepspeed.{key}", device)
+                check_owned(self.config, ("zero_optimization", key, "nvme_path"), "deepspeed.nvme_path",
+                            self.nvme_path)
+
+
+def offload_device(value: bool | str) -> str:
+    """An offload field's device: "" (off), "cpu" (true or cpu) or "nvme"."""
+    return "cpu" if value is True else (value or "")
+
 
 def check_owned(config: Mapping[str, Any], path: tuple[str, ...], field_name: str, expected: Any) -> None:
     """A key of the DeepSpeed config that the spec owns may be repeated in ``deepspeed.config`` only with the
@@ -82,8 +138,12 @@ def check_owned(config: Mapping[str, Any], path: tuple[str, ...], field_name: st
         if not isinstance(node, Mapping) or key not in node:
             return
         node = node[key]
-    same = (node is expected) if isinstance(expected, bool) else (
-        not isinstance(node, bool) and isinstance(node, (int, float)) and node == expected)
+    if isinstance(expected, bool):
+        same = node is expected
+    elif expected is None or isinstance(expected, str):
+        same = node == expected
+    else:
+        same = not isinstance(node, bool) and isinstance(node, (int, float)) and node == expected
     if not same:
         raise SpecError(f"deepspeed.config.{'.'.join(path)}: {node!r} disagrees with {field_name} ({expected!r}); "
                         f"the spec owns it: set {field_name} instead")

@@ -7,6 +7,7 @@
 #                            # pyarrow and Pillow (file data), DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools,
 #                            # W&B and MLflow (the trackers), Ray Train (--launcher ray),
 #                            # and, as root with apt-get, the Debian packages of tests/cluster (sshd, Slurm, munge, MPICH)
+#                            # and libaio-dev, against which DeepSpeed's async I/O op (nvme offload) is built once
 #
 # A set-up with --all also satisfies a later plain run.
 # Every pip install here applies constraints.txt (the exact versions the tests run with); setup.cfg's
@@ -74,7 +75,8 @@ extras="$(gpu_extras "$extras")"
 # --all: the Debian packages tests/cluster uses (one sshd per namespace host, Slurm + munge, MPICH beside the
 # venv's Open MPI, ip/tc). Checked on every run, stamp or not: a fresh CI machine gets them. Only as root with
 # apt-get; elsewhere one line, and those tests skip. /usr/bin's MPI never shadows the venv's (.venv/bin first).
-CLUSTER_PACKAGES=(openssh-server openssh-client slurm-wlm munge mpich iproute2)
+# libaio-dev: DeepSpeed's async I/O op (deepspeed.offload_*: nvme) builds against it.
+CLUSTER_PACKAGES=(openssh-server openssh-client slurm-wlm munge mpich iproute2 libaio-dev)
 cluster_packages() {
     local missing=() pkg
     for pkg in "${CLUSTER_PACKAGES[@]}"; do
@@ -85,7 +87,7 @@ cluster_packages() {
         say "not root or no apt-get: not installing ${missing[*]} (tests/cluster will skip)"
         return 0
     fi
-    say "installing ${missing[*]} (Debian packages for tests/cluster)"
+    say "installing ${missing[*]} (Debian packages for tests/cluster and DeepSpeed's async I/O op)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null
 }
@@ -137,6 +139,17 @@ if [ -n "$ds_ops" ]; then
     for op in ${ds_ops//,/ }; do ds_env+=("DS_BUILD_$(echo "$op" | tr '[:lower:]' '[:upper:]')=1"); done
     env "${ds_env[@]}" "$py" -m pip install --quiet --no-build-isolation --no-cache-dir --force-reinstall \
         --no-deps "deepspeed==$ds_version" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+
+# --all with libaio: DeepSpeed's async I/O op for the nvme offloads, built once (a few minutes) into
+# $HOME/.cache/polytrain/deepspeed_ops under the torch/DeepSpeed/Python versions; a later set-up loads it from there.
+if [ "$profile" = all ] && dpkg-query -W -f='${Status}' libaio-dev 2>/dev/null | grep -q "ok installed"; then
+    say "DeepSpeed's async I/O op (built once, then cached)"
+    ds_env=(TORCH_EXTENSIONS_DIR="$HOME/.cache/polytrain/torch_extensions")
+    nvidia-smi -L >/dev/null 2>&1 || ds_env+=(DS_ACCELERATOR=cpu)
+    env "${ds_env[@]}" "$py" -c "from polytrain.adapters.torch.zero_infinity import load_aio_op; load_aio_op()" \
+        2>&1 | grep -v "real_accelerator" || true
+    test "${PIPESTATUS[0]}" -eq 0
 fi
 
 if [ "$horovod" = 1 ]; then

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polytrain import jsonfiles
+from polytrain.adapters.torch import zero_infinity
 from polytrain.adapters.torch.backend import TorchBackend
 from polytrain.adapters.torch.rendezvous import let_go_of, live_groups
 from polytrain.backend_options import check_owned
@@ -73,10 +74,9 @@ def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool) -> dict[str
                 f"loop.grad_accum_steps = {world_size} × {accum} = {world_size * accum} on backend deepspeed "
                 f"(DeepSpeed's train_batch_size is micro-batch × accumulation × world size)")
     zero: dict[str, Any] = {"stage": ds.stage}
-    if ds.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
-    if ds.offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    for key in ("offload_optimizer", "offload_param"):  # cpu, or nvme (zero_infinity: files on a drive)
+        if (section := zero_infinity.offload_section(spec, key, on_gpu)) is not None:
+            zero[key] = section
     generated = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
@@ -95,6 +95,8 @@ def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool) -> dict[str
         "steps_per_print": NEVER,
         "wall_clock_breakdown": False,
     }
+    if (aio := zero_infinity.aio_section(spec)) is not None:
+        generated["aio"] = aio
     merged = merge(generated, ds.config)
     for key, field_name in (("train_micro_batch_size_per_gpu", "data.batch_size"),
                             ("train_batch_size", "data.global_batch_size")):
@@ -143,6 +145,7 @@ class DeepSpeedBackend(TorchBackend):
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
         deepspeed.utils.logger.setLevel("WARNING")
         self._saved_step: int | None = None
+        self._nvme: Path | None = None  # this job's folder of offloaded files (zero_infinity)
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         import deepspeed
@@ -152,6 +155,8 @@ class DeepSpeedBackend(TorchBackend):
             out = Path(self.spec.output)
             out.mkdir(parents=True, exist_ok=True)
             (out / CONFIG_FILE).write_text(jsonfiles.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        if zero_infinity.uses_nvme(self.spec):  # checked on every rank; a killed run's files removed
+            self._nvme = zero_infinity.prepare(self, sum(p.numel() for p in model.parameters()))
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         engine.set_gradient_accumulation_boundary(True)
         self.engine = engine
@@ -196,6 +201,8 @@ class DeepSpeedBackend(TorchBackend):
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.destroy()
+        if getattr(self, "_nvme", None) is not None:  # this rank's offloaded files, also after a failure
+            zero_infinity.remove(self._nvme, self.world.rank)
         ended = []
         if getattr(self, "_owns_group", False) and dist.is_initialized():
             import deepspeed.comm
@@ -223,7 +230,8 @@ class DeepSpeedBackend(TorchBackend):
             model.set_gradient_accumulation_boundary(True)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss, scale_wrt_gas=False)
+        with zero_infinity.failures_named(self.spec, self._nvme, self.world.rank):
+            self.engine.backward(loss, scale_wrt_gas=False)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """Floating-point inputs in the dtype of the engine's bf16/fp16 weights: the engine runs its forward with
@@ -244,7 +252,8 @@ class DeepSpeedBackend(TorchBackend):
         return None
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        self.engine.step()
+        with zero_infinity.failures_named(self.spec, self._nvme, self.world.rank):
+            self.engine.step()
         return bool(self.engine.was_step_applied())  # False: fp16 overflow, DeepSpeed skipped the update
 
     def grads_finite(self, model: nn.Module) -> bool:
@@ -368,13 +377,14 @@ class DeepSpeedBackend(TorchBackend):
         flats = getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", None)
         if flats is None:
             flats = [flat for group in inner.param_groups for flat in group["params"]]
-        for flat in flats:
-            slots = inner.state[flat]
-            for slot in tensor_slots:
-                if fresh or slot not in slots:
-                    slots[slot] = torch.zeros_like(flat)
-            for slot, value in scalars.items():
-                slots[slot] = value.clone()
+        for index, flat in enumerate(flats):
+            with zero_infinity.swapped_in(self.engine.optimizer, index):  # nvme: the partition and its state here
+                slots = inner.state[flat]
+                for slot in tensor_slots:
+                    if fresh or slot not in slots:
+                        slots[slot] = torch.zeros_like(flat)
+                for slot, value in scalars.items():
+                    slots[slot] = value.clone()
         link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if fresh and link is not None:  # ZeRO-1/2 and the bf16 optimizer: point the fragments at the new state
             link()

@@ -74,6 +74,32 @@ def test_polytrains_optimizer_is_accepted_by_zero_even_with_offload() -> None:
     assert gpu["zero_optimization"]["offload_param"]["pin_memory"] is True
 
 
+def test_nvme_offload_writes_under_the_jobs_own_folder_with_the_aio_table(tmp_path) -> None:
+    """ZeRO-Infinity: device nvme, the path a folder of this job's own under nvme_path (one per output directory),
+    and the aio table from deepspeed.aio, with DeepSpeed's names."""
+    from polytrain.adapters.torch.zero_infinity import job_folder
+
+    nvme = {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": str(tmp_path),
+            "aio": {"block_size": 262144, "queue_depth": 4}}
+    spec = make(output=str(tmp_path / "out"), deepspeed=nvme)
+    config = deepspeed_config(spec, world_size=2, on_gpu=False)
+    folder = str(job_folder(spec))
+    assert folder.startswith(f"{tmp_path}/polytrain-")
+    assert config["zero_optimization"] == {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "pin_memory": False, "nvme_path": folder},
+        "offload_param": {"device": "nvme", "pin_memory": False, "nvme_path": folder}}
+    assert config["aio"] == {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 1,
+                             "single_submit": False, "overlap_events": True}
+    other = make(output=str(tmp_path / "other"), deepspeed=nvme)
+    assert job_folder(other) != job_folder(spec)  # two jobs on one drive never share files
+    mixed = make(deepspeed={"stage": 3, "offload_optimizer": "nvme", "offload_param": "cpu",
+                            "nvme_path": str(tmp_path)})
+    zero = deepspeed_config(mixed, world_size=2, on_gpu=False)["zero_optimization"]
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": False} and zero["offload_optimizer"]["device"] \
+        == "nvme"
+    assert "aio" not in deepspeed_config(make(deepspeed={"stage": 3, "offload_optimizer": "cpu"}), 2, False)
+
+
 def test_overrides_merge_table_by_table_and_replace_anything_else() -> None:
     spec = make(deepspeed={"stage": 1, "config": {
         "zero_optimization": {"reduce_bucket_size": 1000, "stage": 1},  # repeating an owned key's value is fine
@@ -101,7 +127,13 @@ def test_overrides_merge_table_by_table_and_replace_anything_else() -> None:
     ({"deepspeed": {"config": {"zero_optimization": {"stage": True}}}},
      "deepspeed.config.zero_optimization.stage: True disagrees with deepspeed.stage (2)"),
     ({"deepspeed": {"stage": 2, "config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}},
-     "deepspeed.config.zero_optimization.offload_optimizer: set deepspeed.offload_optimizer: true instead"),
+     "deepspeed.config.zero_optimization.offload_optimizer: set deepspeed.offload_optimizer: true instead"),    ({"deepspeed": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/x", "config": {
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}},
+     "deepspeed.config.zero_optimization.offload_optimizer.device: 'cpu' disagrees with deepspeed.offload_optimizer "
+     "('nvme')"),
+    ({"deepspeed": {"stage": 3, "offload_param": True, "config": {
+        "zero_optimization": {"offload_param": {"nvme_path": "/y"}}}}},
+     "deepspeed.config.zero_optimization.offload_param.nvme_path: '/y' disagrees with deepspeed.nvme_path (None)"),
 ])
 def test_keys_the_spec_owns_cannot_be_overridden(raw: dict, message: str) -> None:
     """deepspeed.config is merged last; without this, it could change the stage, accumulation or precision
@@ -135,6 +167,19 @@ def test_merge_does_not_modify_its_inputs() -> None:
     ({"deepspeed": {"config": {"optimizer": {"type": "Adam"}}}}, "deepspeed.config.optimizer: not allowed"),
     ({"deepspeed": {"config": {"scheduler": {}}}}, "deepspeed.config.scheduler: not allowed"),
     ({"deepspeed": {"config": [1]}}, "deepspeed.config: expected a table"),
+    # ZeRO-Infinity (issue 35)
+    ({"deepspeed": {"stage": 2, "offload_optimizer": "nvme", "nvme_path": "/x"}},
+     "deepspeed.offload_optimizer: nvme needs deepspeed.stage 3, not 2"),
+    ({"deepspeed": {"stage": 3, "offload_param": "nvme"}}, "deepspeed.nvme_path: required with "
+     "deepspeed.offload_param: nvme"),
+    ({"deepspeed": {"stage": 3, "offload_optimizer": "cpu", "nvme_path": "/x"}}, "deepspeed.nvme_path: only used "
+     "with deepspeed.offload_optimizer or offload_param: nvme"),
+    ({"deepspeed": {"stage": 3, "aio": {"queue_depth": 4}}}, "deepspeed.aio: only used with"),
+    ({"deepspeed": {"stage": 3, "offload_optimizer": "disk"}}, "deepspeed.offload_optimizer: 'disk' is not allowed"),
+    ({"deepspeed": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/x", "aio": {"block_size": 100}}},
+     "deepspeed.aio.block_size: 100 is out of range"),
+    ({"deepspeed": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/x", "config": {"aio": {}}}},
+     "deepspeed.config.aio: set deepspeed.aio instead"),
 ])
 def test_bad_deepspeed_tables_name_the_field(raw: dict, message: str) -> None:
     with pytest.raises(SpecError, match=message.replace(".", r"\.")) as info:
