@@ -228,3 +228,32 @@ def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[st
     assert cli.main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err
+
+
+def test_nvme_rows_need_a_drive_and_put_only_large_tensors_there(lm_spec, lm_census) -> None:  # noqa: ANN001
+    """ZeRO-Infinity (issue 35): weighed only given a drive's directory, ranked after host-memory offload, the
+    recommended overrides name the directory; on the drive go the fp32 partition with Adam's moments and the
+    gradients and partitions of parameters whose part reaches 1 MiB (DeepSpeed's rule; the LM here has none such
+    parameter, so only the flat partition, and only once it reaches 1 MiB)."""
+    assert not any("nvme" in row["layout"] for row in plan(lm_spec, 4, 1, 80 * GiB, Link(), lm_census)["layouts"])
+    doc = plan(lm_spec, 4, 1, 80 * GiB, Link(), lm_census, nvme_path="/nvme")
+    rows = {row["layout"]: row for row in doc["layouts"]}
+    opt, both = rows["zero3 +offload(nvme-optimizer)"], rows["zero3 +offload(nvme-optimizer+params)"]
+    assert opt["set"][-2:] == ["deepspeed.offload_optimizer=nvme", "deepspeed.nvme_path=/nvme"]
+    assert "deepspeed.offload_param=nvme" in both["set"]
+    part = zero3_partition(lm_census.params, 4)
+    assert 4 * part < 2**20  # the LM's partition: under DeepSpeed's 1 MiB, kept in host memory
+    assert (opt["drive_bytes"], both["drive_bytes"]) == (0.0, 0.0)
+    assert opt["host_bytes"] == 4 * part + (4 + 8) * part  # gradients, master and moments
+    assert both["device_bytes"] < opt["device_bytes"] and both["parameters"] == 0
+    order = [pred.layout.name for pred in cand.rank([predict(lm_spec, lm_census, Layout(
+        "deepspeed", stage=3, offload=o, data=4, nvme_path="/nvme"), 4) for o in ("nvme-optimizer", "optimizer")],
+        80 * GiB)]
+    assert order == ["zero3 +offload(optimizer)", "zero3 +offload(nvme-optimizer)"]
+    # a 2048×2048 matrix is 4 MiB per rank of 4: it goes to the drive, with its gradient (and partition)
+    params = _params((2048, 2048), (64,))
+    adam = Precision("fp32", 8)
+    big = model_states(Layout("deepspeed", stage=3, offload="nvme-optimizer+params", data=4), params, adam, 4)
+    n = 2048 * 2048 // 4
+    assert big.drive == (4 + 8) * (n + 16) + 4 * n + 4 * n and big.host == 4 * (n + 16) + 4 * 16
+    assert parse_link("intra=1,inter=1,drive=2").drive == 2e9

@@ -4,12 +4,14 @@ they are ranked.
 Validity is `polytrain.layout`'s (the same rules a run checks: ``check_spec``, ``check_model``, ``grid_for``,
 ``check_blocks``); a grid the model or world does not allow is not a candidate. PyTorch specs get ddp (``local``
 on one rank), fsdp full_shard / shard_grad_op (and hybrid_shard on several nodes, cpu_offload with full_shard),
-ZeRO-1/2/3 with and without optimizer offload (and ZeRO-3 with parameter offload), every tensor × pipeline × data
+ZeRO-1/2/3 with and without optimizer offload (and ZeRO-3 with parameter offload; given a drive's directory, ZeRO-3
+offloaded to it, ZeRO-Infinity), every tensor × pipeline × data
 grid over ddp or fsdp, each with activation checkpointing off and on where the model declares blocks.
 TensorFlow specs get their data-parallel backends.
 
 The recommendation is the simplest layout that fits (`TIERS`: replicated, then sharded optimizer state and
-gradients, then sharded parameters, then tensor/pipeline parallel, then offload; checkpointing off before on),
+gradients, then sharded parameters, then tensor/pipeline parallel, then offload to host memory, then to a drive;
+checkpointing off before on),
 the shortest estimated step among equals.
 """
 
@@ -29,6 +31,8 @@ TF_BACKENDS = ("mpi", "horovod", "tf-multiworker")
 
 def tier(layout: Layout) -> int:
     """How much machinery a layout adds (lower is simpler): see the module's docstring."""
+    if layout.on_drive:
+        return 5
     if layout.offload:
         return 4
     if layout.tensor > 1 or layout.pipeline > 1:
@@ -75,9 +79,11 @@ def _grid_allowed(spec: TrainSpec, census: Census, world: int, t: int, p: int, d
     return not (p > 1 and not census.embed)
 
 
-def candidates(spec: TrainSpec, census: Census, world: int, nodes: int, samples: int) -> list[Layout]:
+def candidates(spec: TrainSpec, census: Census, world: int, nodes: int, samples: int,
+               nvme_path: str | None = None) -> list[Layout]:
     """Every layout the spec's model, ``world`` ranks and ``nodes`` nodes allow (see the module's docstring), each
-    training on ``samples`` per step."""
+    training on ``samples`` per step; with ``nvme_path`` (or the spec's), ZeRO-3 offloaded to that drive too."""
+    nvme_path = nvme_path or spec.deepspeed.nvme_path
     if spec.framework == "tensorflow":
         names = ("local",) if world == 1 else TF_BACKENDS
         return [Layout(name, data=world) for name in names]
@@ -96,6 +102,9 @@ def candidates(spec: TrainSpec, census: Census, world: int, nodes: int, samples:
                 out.append(Layout("deepspeed", stage=stage, data=world, checkpointing=ac))
             out.append(Layout("deepspeed", stage=stage, offload="optimizer", data=world, checkpointing=ac))
         out.append(Layout("deepspeed", stage=3, offload="optimizer+params", data=world, checkpointing=ac))
+        if nvme_path and spec.framework == "torch":
+            out += [Layout("deepspeed", stage=3, offload=f"nvme-{what}", data=world, checkpointing=ac,
+                           nvme_path=nvme_path) for what in ("optimizer", "optimizer+params")]
         for t in range(1, world + 1):
             for p in range(1, world // t + 1):
                 if (t, p) == (1, 1) or world % (t * p):
@@ -115,12 +124,15 @@ def spec_layout(spec: TrainSpec, world: int) -> Layout:
     offload = ""
     if backend == "fsdp" and spec.fsdp.cpu_offload:
         offload = "cpu"
-    if backend == "deepspeed" and spec.deepspeed.offload_optimizer:
-        offload = "optimizer+params" if spec.deepspeed.offload_param else "optimizer"
+    ds = spec.deepspeed
+    if backend == "deepspeed" and ds.offload_optimizer:
+        offload = "optimizer+params" if ds.offload_param else "optimizer"
+        offload = f"nvme-{offload}" if "nvme" in (ds.optimizer_device, ds.param_device) else offload
     return Layout(backend, sharding=spec.fsdp.sharding if backend == "fsdp" else None,
-                  stage=spec.deepspeed.stage if backend == "deepspeed" else None, offload=offload, tensor=t,
+                  stage=ds.stage if backend == "deepspeed" else None, offload=offload, tensor=t,
                   pipeline=p, data=max(world // (t * p), 1),
-                  checkpointing=spec.activation_checkpointing or spec.fsdp.activation_checkpointing)
+                  checkpointing=spec.activation_checkpointing or spec.fsdp.activation_checkpointing,
+                  nvme_path=ds.nvme_path if offload.startswith("nvme") else None)
 
 
 def overrides(spec: TrainSpec, layout: Layout, samples: int | None = None) -> list[str]:
@@ -130,6 +142,7 @@ def overrides(spec: TrainSpec, layout: Layout, samples: int | None = None) -> li
     ``samples``: the global batch to keep; a layout with fewer data ranks than the spec's own then gets
     ``data.global_batch_size`` (``data.batch_size`` is per data rank)."""
     from polytrain import registry, schema
+    from polytrain.backend_options import AioSpec
     from polytrain.layout import ParallelSpec
 
     wanted: dict[str, Any] = {"backend": layout.backend}
@@ -149,8 +162,12 @@ def overrides(spec: TrainSpec, layout: Layout, samples: int | None = None) -> li
         wanted["fsdp.activation_checkpointing"] = False
     if layout.backend == "deepspeed":
         wanted["deepspeed.stage"] = layout.stage
-        wanted["deepspeed.offload_optimizer"] = bool(layout.offload)
-        wanted["deepspeed.offload_param"] = "params" in layout.offload
+        device = "nvme" if layout.on_drive else True
+        wanted["deepspeed.offload_optimizer"] = device if layout.offload else False
+        wanted["deepspeed.offload_param"] = device if "params" in layout.offload else False
+        wanted["deepspeed.nvme_path"] = layout.nvme_path
+        if not layout.on_drive:
+            wanted.update({f"deepspeed.aio.{k}": v for k, v in schema.plain(AioSpec()).items()})
     world = layout.data * layout.tensor * layout.pipeline
     if samples is not None and spec.data.global_batch_size is None and layout.data != world:
         wanted["data.global_batch_size"] = samples

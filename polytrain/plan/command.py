@@ -1,5 +1,5 @@
 """``polytrain plan SPEC -np N [--nodes K] [--device-memory 80GiB] [--link intra=GB/s,inter=GB/s | --probe]
-[--device-tflops T] [--json]``: which layouts fit, what each rank holds and sends per step, and the one to run.
+[--device-tflops T] [--nvme-path DIR] [--json]``: which layouts fit, what each rank holds and sends per step, and the one to run.
 
 One census of the model (`census.take_census`), then for every candidate (`candidates.candidates`) the memory
 (`memory.predict_memory`) and communication (`comms.predict_comms`) predictions, and a step time (the census'
@@ -44,8 +44,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", default="80GiB", metavar="SIZE",
                         help="memory of one device (default: %(default)s)")
     links = parser.add_mutually_exclusive_group()
-    links.add_argument("--link", default=None, metavar="intra=GB/s,inter=GB/s[,host=GB/s]",
-                       help="bandwidths of the link model (default: intra=100,inter=12.5,host=25)")
+    links.add_argument("--link", default=None, metavar="intra=GB/s,inter=GB/s[,host=GB/s][,drive=GB/s]",
+                       help="bandwidths of the link model (default: intra=100,inter=12.5,host=25,drive=3)")
     links.add_argument("--probe", action="store_true",
                        help="measure the link model first: a short collective benchmark on the N ranks, started by "
                             "polytrain launch (--launcher, -H)")
@@ -53,6 +53,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="--probe: hosts and slots, e.g. h1:4,h2:4")
     parser.add_argument("--device-tflops", type=float, default=DEFAULT_TFLOPS, metavar="TFLOP/S",
                         help="compute a device sustains, for the step-time estimate (default: %(default)s)")
+    parser.add_argument("--nvme-path", metavar="DIR", default=None,
+                        help="a directory on each node's NVMe drive: also weigh ZeRO-3 offloaded there (ZeRO-Infinity)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field first")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -68,7 +70,7 @@ def check_numbers(world: int, nodes: int, tflops: float) -> None:
 
 
 def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, census: Any = None,
-         tflops: float = DEFAULT_TFLOPS) -> dict[str, Any]:
+         tflops: float = DEFAULT_TFLOPS, nvme_path: str | None = None) -> dict[str, Any]:
     """Every candidate's prediction, ranked, and the recommendation (a JSON-ready document); ``census``: one taken
     already for this spec and world size (`census.take_census`)."""
     from polytrain.plan.census import take_census
@@ -78,7 +80,7 @@ def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, ce
     # every layout trains on the global batch the spec means on ``world`` data-parallel ranks
     samples = global_batch(spec.data.batch_size, spec.data.global_batch_size, world, spec.loop.grad_accum_steps)
     predictions = [predict(spec, census, layout, world, nodes, link, tflops=tflops, step_samples=samples)
-                   for layout in cand.candidates(spec, census, world, nodes, samples)]
+                   for layout in cand.candidates(spec, census, world, nodes, samples, nvme_path)]
     ranked = cand.rank(predictions, device_memory)
     rows = [_row(spec, p, device_memory, samples) for p in ranked]
     best = next((r for r in rows if r["fits"]), None)
@@ -117,7 +119,7 @@ def _row(spec: Any, pred: Any, limit: float, samples: int) -> dict[str, Any]:
     return {"layout": pred.layout.name, "fits": pred.device <= limit, "reason": cand.why_not(pred, limit),
             "device_bytes": pred.device, "parameters": pred.params, "gradients": pred.grads,
             "optimizer_state": pred.optimizer, "master_copies": pred.master, "activations": pred.activations,
-            "temporary": dict(pred.temporary), "host_bytes": pred.host, "micro_batch": pred.micro_batch,
+            "temporary": dict(pred.temporary), "host_bytes": pred.host, "drive_bytes": pred.drive, "micro_batch": pred.micro_batch,
             "comm_payload": dict(pred.comm), "comm_sent_bytes": pred.wire, "comm_seconds": pred.comm_seconds,
             "compute_seconds": pred.compute_seconds, "step_seconds": pred.step_seconds,
             "set": cand.overrides(spec, pred.layout, samples), **{"grid": [pred.layout.pipeline, pred.layout.data,
@@ -138,15 +140,22 @@ def table(doc: dict[str, Any]) -> str:
     lines = [f"{doc['model']}: {doc['parameters']:,} parameters, {doc['precision']}, {doc['optimizer']}; "
              f"{doc['world_size']} ranks on {doc['nodes']} node(s), {g(doc['device_memory'])} per device; "
              f"per rank (the worst), per optimizer step"]
-    head = (f"{'#':>3} {'layout':34} {'device':>10} {'params':>10} {'grads':>10} {'optim':>10} {'activ':>10} "
-            f"{'temp':>10} {'host':>10} {'sent/step':>10} {'comm ms':>8} {'step ms':>8}  fits")
+    drives = any(row["drive_bytes"] for row in doc["layouts"])  # a drive column only where a layout uses one
+    drive_head = f" {'drive':>10}" if drives else ""
+
+    def drive(row: dict[str, Any]) -> str:
+        return f" {g(row['drive_bytes']):>10}" if drives else ""
+
+    head = (f"{'#':>3} {'layout':38} {'device':>10} {'params':>10} {'grads':>10} {'optim':>10} {'activ':>10} "
+            f"{'temp':>10} {'host':>10}{drive_head} {'sent/step':>10} {'comm ms':>8} {'step ms':>8}  fits")
     lines.append(head)
     for i, row in enumerate(doc["layouts"], 1):
         optim = row["optimizer_state"] + row["master_copies"]
         temp = sum(row["temporary"].values())
-        lines.append(f"{i:>3} {row['layout']:34} {g(row['device_bytes']):>10} {g(row['parameters']):>10} "
+        lines.append(f"{i:>3} {row['layout']:38} {g(row['device_bytes']):>10} {g(row['parameters']):>10} "
                      f"{g(row['gradients']):>10} {g(optim):>10} {g(row['activations']):>10} {g(temp):>10} "
-                     f"{g(row['host_bytes']):>10} {g(row['comm_sent_bytes']):>10} {row['comm_seconds'] * 1e3:8.2f} "
+                     f"{g(row['host_bytes']):>10}{drive(row)} {g(row['comm_sent_bytes']):>10} "
+                     f"{row['comm_seconds'] * 1e3:8.2f} "
                      f"{row['step_seconds'] * 1e3:8.2f}  "
                      f"{'yes' if row['fits'] else 'no: ' + row['reason']}")
     best = doc["recommended"]
@@ -170,6 +179,6 @@ def plan_from_args(args: argparse.Namespace) -> int:
         from polytrain.plan.probe import probe_link
 
         link = probe_link(args.nproc, args.launcher, args.hosts, link)
-    doc = plan(spec, args.nproc, args.nodes, limit, link, tflops=args.device_tflops)
+    doc = plan(spec, args.nproc, args.nodes, limit, link, tflops=args.device_tflops, nvme_path=args.nvme_path)
     print(json.dumps(doc, indent=2) if args.json else table(doc))
     return 0

@@ -37,6 +37,7 @@ from polytrain.plan.activations import stage_blocks, stage_params
 from polytrain.plan.census import Census, Param
 from polytrain.plan.memory import (
     DEFAULT_PERSISTENCE,
+    SWAP_MIN,
     Layout,
     Precision,
     fsdp_groups,
@@ -46,13 +47,14 @@ from polytrain.plan.memory import (
     zero_partition,
 )
 
-KINDS = ("allreduce", "allgather", "reducescatter", "broadcast", "p2p", "host")
+KINDS = ("allreduce", "allgather", "reducescatter", "broadcast", "p2p", "host", "drive")
+LOCAL = ("p2p", "host", "drive")  # one transfer, no ring
 GB = 1e9
 
 
 def wire_factor(kind: str, n: int) -> float:
     """Bytes one rank sends per payload byte in a ring of ``n`` ranks (see the module's docstring)."""
-    if kind in ("p2p", "host"):
+    if kind in LOCAL:
         return 1.0
     if n <= 1:
         return 0.0
@@ -61,20 +63,22 @@ def wire_factor(kind: str, n: int) -> float:
 
 @dataclass(frozen=True)
 class Link:
-    """Bandwidths in bytes per second: within a node, between nodes, and device ↔ host (offload)."""
+    """Bandwidths in bytes per second: within a node, between nodes, device ↔ host (offload), host ↔ drive (nvme
+    offload, reads and writes together)."""
 
     intra: float = 100 * GB
     inter: float = 12.5 * GB
     host: float = 25 * GB
+    drive: float = 3 * GB
 
 
 def parse_link(text: str) -> Link:
-    """``intra=GB/s,inter=GB/s[,host=GB/s]`` → a `Link`; a one-line error naming ``--link`` otherwise."""
+    """``intra=GB/s,inter=GB/s[,host=GB/s][,drive=GB/s]`` → a `Link`; a one-line error naming ``--link`` otherwise."""
     values = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
-        if not sep or key not in ("intra", "inter", "host"):
-            raise SpecError(f"--link: expected intra=GB/s,inter=GB/s[,host=GB/s], got {part!r}")
+        if not sep or key not in ("intra", "inter", "host", "drive"):
+            raise SpecError(f"--link: expected intra=GB/s,inter=GB/s[,host=GB/s][,drive=GB/s], got {part!r}")
         try:
             number = float(value)
         except ValueError:
@@ -92,7 +96,7 @@ class Traffic:
     entries: list[tuple[str, float, int, bool]]
 
     def add(self, kind: str, payload: float, group: int, inter: bool) -> None:
-        if payload > 0 and (group > 1 or kind in ("p2p", "host")):
+        if payload > 0 and (group > 1 or kind in LOCAL):
             self.entries.append((kind, payload, group, inter))
 
     def payload(self) -> dict[str, float]:
@@ -102,12 +106,12 @@ class Traffic:
         return out
 
     def wire(self) -> float:
-        return sum(payload * wire_factor(kind, n) for kind, payload, n, _ in self.entries if kind != "host")
+        return sum(payload * wire_factor(kind, n) for kind, payload, n, _ in self.entries if kind not in LOCAL[1:])
 
     def seconds(self, link: Link) -> float:
         total = 0.0
         for kind, payload, n, inter in self.entries:
-            speed = link.host if kind == "host" else (link.inter if inter else link.intra)
+            speed = {"host": link.host, "drive": link.drive}.get(kind, link.inter if inter else link.intra)
             total += payload * wire_factor(kind, n) / speed
         return total
 
@@ -153,6 +157,23 @@ def _zero(traffic: Traffic, params: Sequence[Param], precision: Precision, layou
         part = sum(math.ceil(p.numel / group) for p in params)
         fetched = 2 * accum * low * part if "params" in layout.offload else low * part
         traffic.add("host", 4 * part + fetched, 1, False)
+    if layout.on_drive:
+        traffic.add("drive", _drive_bytes(params, precision, layout, group, accum), 1, False)
+
+
+def _drive_bytes(params: Sequence[Param], precision: Precision, layout: Layout, group: int, accum: int) -> float:
+    """Bytes read and written on the drive per step (ZeRO-Infinity): the fp32 partition and its optimizer state in
+    and out, the swapped gradients out and in, with parameter offload each swapped parameter read for the forward
+    and the backward of every micro-step and written once; what `memory._zero_infinity` puts there."""
+    part = sum(math.ceil(p.numel / group) for p in params)
+    big = [math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN]
+    if 4 * part < SWAP_MIN:
+        return 0.0
+    total = 2 * (4 + precision.optimizer_state) * part + 2 * 4 * sum(big)
+    if "params" in layout.offload:
+        moved = sum(n for n in big if precision.low * n >= SWAP_MIN)
+        total += (2 * accum + 1) * precision.low * moved
+    return total
 
 
 def predict_comms(census: Census, layout: Layout, precision: Precision, *, batch: float, accum: int,

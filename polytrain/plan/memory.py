@@ -21,7 +21,11 @@ What each backend holds, as polytrain runs it (the formulas the bench and the te
   ``stage3_param_persistence_threshold`` elements also kept whole; gradients and optimizer state of the
   partition; while a module runs, its gathered parameters and their gradients (the largest module's), and the
   gathered parameters DeepSpeed keeps from forward to backward (within ``stage3_max_reuse_distance``).
-- offload (ZeRO-Offload, ZeRO-Infinity, FSDP ``cpu_offload``): those states in host memory (`Prediction.host`).
+- offload (ZeRO-Offload, ZeRO-Infinity, FSDP ``cpu_offload``): those states in host memory (`Prediction.host`);
+  to an NVMe drive (ZeRO-Infinity's ``nvme``): on the drive (`Prediction.drive`) what DeepSpeed swaps, a tensor
+  part of at least 1 MiB per rank (the flat fp32 partition with its optimizer state, large parameters' gradients
+  and, with parameter offload, partitions); the rest in host memory (measured equal to the files written,
+  tests/multiproc/test_zero_infinity.py).
 - tensor × pipeline × data: tensor-parallel rank 0's local parameters (from the census, split by the real plan),
   the blocks of the worst pipeline stage, and the data dimension (ddp's flat gradient average, or fsdp) over
   them.
@@ -48,6 +52,7 @@ from polytrain.plan.census import Census, Param
 DEFAULT_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size (elements)
 DEFAULT_REUSE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance (elements)
+SWAP_MIN = 2**20  # bytes: the smallest tensor part DeepSpeed writes to the drive (at the default aio.block_size)
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,18 @@ class Layout:
     backend: str  # ddp | fsdp | deepspeed | local, or a TensorFlow data-parallel backend
     sharding: str | None = None  # fsdp
     stage: int | None = None  # deepspeed
-    offload: str = ""  # "" | "optimizer" | "optimizer+params" (deepspeed) | "cpu" (fsdp)
+    # "" | "optimizer" | "optimizer+params" (deepspeed, host memory) | "nvme-optimizer" | "nvme-optimizer+params"
+    # (deepspeed, a drive: ZeRO-Infinity) | "cpu" (fsdp)
+    offload: str = ""
     tensor: int = 1
     pipeline: int = 1
     data: int = 1
     checkpointing: bool = False
+    nvme_path: str | None = None  # the drive's directory (nvme offloads)
+
+    @property
+    def on_drive(self) -> bool:
+        return self.offload.startswith("nvme")
 
     @property
     def name(self) -> str:
@@ -108,6 +120,7 @@ class Prediction:
     activations: float = 0.0
     temporary: dict[str, float] = field(default_factory=dict)
     host: float = 0.0  # offloaded states, in host memory
+    drive: float = 0.0  # offloaded states, in files on a drive (ZeRO-Infinity)
     micro_batch: float = 0.0
     comm: dict[str, float] = field(default_factory=dict)  # collective kind → payload bytes per optimizer step
     wire: float = 0.0  # bytes this rank sends per step (link model)
@@ -266,7 +279,9 @@ def _zero(out: Prediction, params: Sequence[Param], precision: Precision, group:
     largest = largest_module(params)
     params_bytes = low * part + low * persistent
     master = 4 * part if (precision.name != "fp32" or offload) else 0
-    if "params" in offload:
+    if layout.on_drive:
+        _zero_infinity(out, params, precision, group, params_bytes)
+    elif "params" in offload:
         out.host = low * part + 4 * part + 4 * part + s * part
     elif offload:
         out.params = params_bytes
@@ -278,6 +293,27 @@ def _zero(out: Prediction, params: Sequence[Param], precision: Precision, group:
     if kept > largest:
         out.temporary["parameters kept gathered for reuse"] = low * (kept - largest)
     return out
+
+
+def _zero_infinity(out: Prediction, params: Sequence[Param], precision: Precision, group: int,
+                   params_bytes: float) -> None:
+    """ZeRO-3 with the optimizer (and the parameters) offloaded to a drive. DeepSpeed writes a tensor there only when
+    a rank's part of it is at least `SWAP_MIN`: the flat fp32 partition with its optimizer state (one sub-group
+    here), the gradients of each large parameter while it steps, and with parameter offload each large parameter's
+    partition; the rest stays in host memory, as do the flat gradients."""
+    s, low = precision.optimizer_state, precision.low
+    part = zero3_partition(params, group)
+    big = [math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN]
+    master_state = (4 + s) * part
+    swapped = 4 * part >= SWAP_MIN
+    out.host = 4 * part + (0 if swapped else master_state)
+    out.drive = (master_state + 4 * sum(big)) if swapped else 0
+    if "params" in out.layout.offload:
+        moved = sum(n for n in big if low * n >= SWAP_MIN)
+        out.drive += low * moved
+        out.host += low * (part - moved)
+    else:
+        out.params = params_bytes
 
 
 def zero3_kept(params: Sequence[Param], options: Mapping[str, Any]) -> list[Param]:
