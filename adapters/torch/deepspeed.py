@@ -254,6 +254,7 @@ class DeepSpeedBackend(TorchBackend):
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         with zero_infinity.failures_named(self.spec, self._nvme, self.world.rank):
             self.engine.step()
+        zero_infinity.check_room(self.spec, self._nvme)  # a drive that filled up may have cut writes short
         return bool(self.engine.was_step_applied())  # False: fp16 overflow, DeepSpeed skipped the update
 
     def grads_finite(self, model: nn.Module) -> bool:

@@ -183,7 +183,7 @@ def problem(folder: Path, need: int) -> str:
         return f"cannot write to {folder} ({exc.strerror or exc}); choose a writable directory"
     finally:
         probe.unlink(missing_ok=True)
-    free = shutil.disk_usage(folder).free
+    free = free_bytes(folder)
     if free < need:
         return (f"{free / 2**20:.1f} MiB free under {folder}, but this node's ranks write about "
                 f"{need / 2**20:.1f} MiB there; free space or choose another drive")
@@ -231,10 +231,10 @@ def failures_named(spec: TrainSpec, folder: Path | None, rank: int) -> Iterator[
     try:
         yield
     except (AssertionError, RuntimeError, OSError) as exc:
-        failure = None if folder is None else write_failure(spec, folder, rank, exc)
-        if failure is None:
+        named = None if folder is None else write_failure(spec, folder, rank)
+        if named is None:
             raise
-        raise failure from exc
+        raise named from exc
 
 
 @contextlib.contextmanager
@@ -253,11 +253,9 @@ def swapped_in(optimizer: Any, index: int) -> Iterator[None]:
         optimizer._optimizer_states_and_gradient_swap_out(index)
 
 
-def write_failure(spec: TrainSpec, folder: Path, rank: int, exc: BaseException) -> TrainingFailure | None:
+def write_failure(spec: TrainSpec, folder: Path, rank: int) -> TrainingFailure | None:
     """The one-line failure for an exception raised while DeepSpeed swapped tensors, when the cause is this rank's
     files that can no longer be written (None: something else went wrong)."""
-    from polytrain.checkpoint import complete_checkpoints
-
     reason = ""
     for path in [*rank_files(folder, rank), folder]:
         try:
@@ -270,10 +268,28 @@ def write_failure(spec: TrainSpec, folder: Path, rank: int, exc: BaseException) 
         except OSError as error:
             reason = error.strerror or str(error)
             break
-    if not reason and shutil.disk_usage(folder).free < ALIGN:
+    if not reason and free_bytes(folder) < ALIGN:
         reason = os.strerror(errno.ENOSPC)
-    if not reason:
-        return None
+    return failure(spec, folder, reason) if reason else None
+
+
+def check_room(spec: TrainSpec, folder: Path | None) -> None:
+    """After each step: a drive that filled up during it may have cut DeepSpeed's writes short (its async I/O does
+    not look at what a completed write wrote), so the run stops before reading them back and before its next
+    checkpoint."""
+    if folder is not None and free_bytes(folder) < ALIGN:
+        raise failure(spec, folder, os.strerror(errno.ENOSPC))
+
+
+def free_bytes(folder: Path) -> int:
+    """Room left on the drive for unprivileged writes (what ``df`` calls available: blocks a filesystem reserves
+    for root are not counted, also for root)."""
+    return shutil.disk_usage(folder).free
+
+
+def failure(spec: TrainSpec, folder: Path, reason: str) -> TrainingFailure:
+    from polytrain.checkpoint import complete_checkpoints
+
     kept = complete_checkpoints(spec.checkpoint_dir)
     previous = f"the last checkpoint {kept[-1]} is intact" if kept else "no checkpoint was written yet"
     return TrainingFailure(

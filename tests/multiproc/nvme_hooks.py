@@ -4,7 +4,7 @@
 training starts and when it ends, to ``<output>/nvme-rank<R>.json``: the test sees that tensors really went to
 the drive and how much. `Freeze` (a `Files`) makes this rank's files immutable (``chattr +i``: not even root may
 write them) once the checkpoint of step ``$NVME_FREEZE_STEP`` is written: the next swap-out fails, as on a drive
-gone read-only.
+gone read-only. `Fill` fills the drive instead, `Kill` kills rank 1 mid-run.
 """
 
 from __future__ import annotations
@@ -55,3 +55,18 @@ class Kill(Files):
     def on_step_end(self, run: RunInfo, step: int, logs: Any) -> None:
         if run.rank == 1 and step == int(os.environ["NVME_KILL_STEP"]):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Fill(Files):
+    """Once the checkpoint of step ``$NVME_FILL_STEP`` is written, fills the drive under nvme_path (a small tmpfs
+    the test mounts) with a file of zeros until no byte is left."""
+
+    def on_checkpoint(self, run: RunInfo, step: int, path: Path) -> None:
+        if step == int(os.environ["NVME_FILL_STEP"]):
+            chunk = b"\0" * 2**16
+            with open(Path(str(run.spec.deepspeed.nvme_path)) / "filler", "wb", buffering=0) as out:
+                try:
+                    while True:
+                        out.write(chunk)
+                except OSError:
+                    pass  # full

@@ -13,8 +13,11 @@ not even root may write them) end the run with one line on every rank, the last 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +196,36 @@ def test_files_that_turn_read_only_mid_run_end_it_in_one_line_on_every_rank(tmp_
     assert "Traceback" not in failed.stderr
     manifest, tensors = load_checkpoint(kept[0])
     assert manifest["global_step"] == SPLIT and tensors["model"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare (tmpfs)")
+def test_a_drive_that_fills_up_mid_run_ends_it_in_one_line(tmp_path: Path) -> None:
+    """The drive: a 40 MiB tmpfs in a mount namespace of the job's own (gone with it), room for the ~26 MiB one
+    rank writes; filled up by a callback after the checkpoint of step 12. DeepSpeed rewrites its files in place
+    (nothing fails), but a write cut short on a full drive would go unnoticed by its async I/O: the run stops
+    after the step, before anything reads it back or a checkpoint keeps it."""
+    out, nvme = tmp_path / "out", tmp_path / "nvme"
+    nvme.mkdir()
+    mounted = ("unshare", "-m", "--propagation", "private", "sh", "-c",
+               'mount -t tmpfs -o size=40m polytrain-test "$NVME_DIR" && exec "$@"', "sh", sys.executable)
+    failed = train(out, [*JOB, *ZERO3, *NVME["optimizer"], f"deepspeed.nvme_path={nvme}", "callbacks=[nvme_hooks:Fill]"],
+                   python=mounted, timeout=300,
+                   env={"PYTHONPATH": HOOKS_DIR, "NVME_DIR": str(nvme), "NVME_FILL_STEP": str(SPLIT)})
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    kept = complete_checkpoints(out / "checkpoints")
+    assert [p.name for p in kept] == [f"step-{SPLIT:08d}"]
+    folder = zero_infinity_folder(out)
+    assert failed.stderr.strip().splitlines()[-1] == (
+        f"polytrain: error: deepspeed.nvme_path: cannot write the offloaded state under {folder} (No space left on "
+        f"device); the last checkpoint {kept[0]} is intact; free space or make it writable, then resume with "
+        "--resume auto"), failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and not list(nvme.iterdir())  # the tmpfs went with the namespace
+
+
+def zero_infinity_folder(out: Path) -> Path:
+    """The job's folder under nvme_path, from the config the run wrote."""
+    config = json.loads((out / "deepspeed_config.json").read_text())
+    return Path(config["zero_optimization"]["offload_optimizer"]["nvme_path"])
 
 
 def test_an_nvme_path_that_cannot_be_made_is_one_line_before_training(tmp_path: Path) -> None:

@@ -36,7 +36,8 @@ def test_a_folder_that_cannot_be_made_is_named(tmp_path: Path) -> None:
 
 
 def test_too_little_room_says_how_much_is_free_and_needed(tmp_path: Path) -> None:
-    free = shutil.disk_usage(tmp_path).free
+    (tmp_path / "job").mkdir()
+    free = shutil.disk_usage(tmp_path / "job").free
     text = zero_infinity.problem(tmp_path / "job", free * 2)
     assert text.startswith(f"{free / 2**20:.1f} MiB free under {tmp_path / 'job'}, but this node's ranks write "
                            f"about {free * 2 / 2**20:.1f} MiB there")
@@ -60,10 +61,10 @@ def test_a_write_refused_mid_run_is_one_line_naming_the_folder_and_checkpoint(tm
     rank_dir.mkdir(parents=True)
     swap = rank_dir / "0_5.tensor.swp"
     swap.write_bytes(b"\0" * 4096)
-    assert zero_infinity.write_failure(spec, folder, 0, AssertionError()) is None  # writable: not the drive's fault
+    assert zero_infinity.write_failure(spec, folder, 0) is None  # writable: not the drive's fault
     subprocess.run(["chattr", "+i", str(swap)], check=True)
     try:
-        failure = zero_infinity.write_failure(spec, folder, 0, AssertionError())
+        failure = zero_infinity.write_failure(spec, folder, 0)
     finally:
         subprocess.run(["chattr", "-i", str(swap)], check=True)
     assert failure is not None and failure.exit_code == 1
