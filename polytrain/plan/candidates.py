@@ -48,7 +48,12 @@ def backend_options(spec: TrainSpec) -> dict[str, Any]:
     """The backend settings the formulas read from the spec (DeepSpeed config keys, fsdp.reduce_fp32)."""
     zero = spec.deepspeed.config.get("zero_optimization", {})
     zero = zero if isinstance(zero, Mapping) else {}
-    return {"persistence_threshold": int(zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE)),
+    swapped = {key: zero.get(key) if isinstance(zero.get(key), Mapping) else {}
+               for key in ("offload_optimizer", "offload_param")}
+    return {"optimizer_buffers": int(swapped["offload_optimizer"].get("buffer_count", 4)),
+            "param_buffers": int(swapped["offload_param"].get("buffer_count", 5))
+            * int(swapped["offload_param"].get("buffer_size", 10**8)),
+            "persistence_threshold": int(zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE)),
             "reduce_bucket_size": int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)),
             "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE)),
             "reduce_fp32": spec.fsdp.reduce_fp32}

@@ -280,7 +280,7 @@ def _zero(out: Prediction, params: Sequence[Param], precision: Precision, group:
     params_bytes = low * part + low * persistent
     master = 4 * part if (precision.name != "fp32" or offload) else 0
     if layout.on_drive:
-        _zero_infinity(out, params, precision, group, params_bytes)
+        _zero_infinity(out, params, precision, group, params_bytes, options)
     elif "params" in offload:
         out.host = low * part + 4 * part + 4 * part + s * part
     elif offload:
@@ -296,22 +296,25 @@ def _zero(out: Prediction, params: Sequence[Param], precision: Precision, group:
 
 
 def _zero_infinity(out: Prediction, params: Sequence[Param], precision: Precision, group: int,
-                   params_bytes: float) -> None:
+                   params_bytes: float, options: Mapping[str, Any]) -> None:
     """ZeRO-3 with the optimizer (and the parameters) offloaded to a drive. DeepSpeed writes a tensor there only when
     a rank's part of it is at least `SWAP_MIN`: the flat fp32 partition with its optimizer state (one sub-group
-    here), the gradients of each large parameter while it steps, and with parameter offload each large parameter's
-    partition; the rest stays in host memory, as do the flat gradients."""
+    here) and, while it steps, the gradients of each large parameter; with parameter offload each large parameter's
+    partition too. In host memory: the rest, the optimizer swapper's pinned buffers (``buffer_count`` of the
+    partition's size) and the parameter swapper's (``buffer_count`` × ``buffer_size`` elements, 2 GB in fp32 at
+    DeepSpeed's defaults, which also keep the parameters they hold)."""
     s, low = precision.optimizer_state, precision.low
     part = zero3_partition(params, group)
-    big = [math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN]
-    master_state = (4 + s) * part
-    swapped = 4 * part >= SWAP_MIN
-    out.host = 4 * part + (0 if swapped else master_state)
-    out.drive = (master_state + 4 * sum(big)) if swapped else 0
+    big = sum(math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN)
+    if 4 * part >= SWAP_MIN:
+        out.drive = (4 + s) * part + 4 * big
+        out.host = 4 * (part - big) + 4 * options.get("optimizer_buffers", 4) * part
+    else:
+        out.host = 4 * part + (4 + s) * part
     if "params" in out.layout.offload:
-        moved = sum(n for n in big if low * n >= SWAP_MIN)
+        moved = sum(n for p in params if low * (n := math.ceil(p.numel / group)) >= SWAP_MIN)
         out.drive += low * moved
-        out.host += low * (part - moved)
+        out.host += low * (part - moved) + low * options.get("param_buffers", 5 * 10**8)
     else:
         out.params = params_bytes
 
