@@ -246,6 +246,7 @@ def test_nvme_rows_need_a_drive_and_put_only_large_tensors_there(lm_spec, lm_cen
     assert (opt["drive_bytes"], both["drive_bytes"]) == (0.0, 0.0)
     assert opt["host_bytes"] == 4 * part + (4 + 8) * part  # gradients, master and moments
     assert both["host_bytes"] == opt["host_bytes"] + 4 * part + 4 * 5 * 10**8  # parameters and swap buffers
+    assert both["comm_payload"].get("drive", 0.0) == 0.0
     assert both["device_bytes"] < opt["device_bytes"] and both["parameters"] == 0
     order = [pred.layout.name for pred in cand.rank([predict(lm_spec, lm_census, Layout(
         "deepspeed", stage=3, offload=o, data=4, nvme_path="/nvme"), 4) for o in ("nvme-optimizer", "optimizer")],
@@ -259,5 +260,8 @@ def test_nvme_rows_need_a_drive_and_put_only_large_tensors_there(lm_spec, lm_cen
     assert big.drive == (4 + 8) * (n + 16) + 4 * n + 4 * n
     # in host memory: the bias' gradient and partition, 4 pinned optimizer swap buffers of the partition's size,
     # and the parameter swapper's 5 × 1e8 fp32 elements (DeepSpeed's defaults)
-    assert big.host == 4 * 16 + 4 * 4 * (n + 16) + 4 * 16 + 4 * 5 * 10**8
+    assert big.host == 4 * 16 + 4 * 4 * (n + 16) + 4 * (n + 16) + 4 * 5 * 10**8  # max_in_cpu keeps them all
+    streamed = model_states(Layout("deepspeed", stage=3, offload="nvme-optimizer+params", data=4), params, adam, 4,
+                            {"max_in_cpu": 0})
+    assert streamed.host == big.host - 4 * n
     assert parse_link("intra=1,inter=1,drive=2").drive == 2e9

@@ -53,6 +53,7 @@ def backend_options(spec: TrainSpec) -> dict[str, Any]:
     return {"optimizer_buffers": int(swapped["offload_optimizer"].get("buffer_count", 4)),
             "param_buffers": int(swapped["offload_param"].get("buffer_count", 5))
             * int(swapped["offload_param"].get("buffer_size", 10**8)),
+            "max_in_cpu": int(swapped["offload_param"].get("max_in_cpu", 10**9)),
             "persistence_threshold": int(zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE)),
             "reduce_bucket_size": int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)),
             "max_reuse_distance": int(zero.get("stage3_max_reuse_distance", DEFAULT_REUSE)),

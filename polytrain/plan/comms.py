@@ -158,21 +158,24 @@ def _zero(traffic: Traffic, params: Sequence[Param], precision: Precision, layou
         fetched = 2 * accum * low * part if "params" in layout.offload else low * part
         traffic.add("host", 4 * part + fetched, 1, False)
     if layout.on_drive:
-        traffic.add("drive", _drive_bytes(params, precision, layout, group, accum), 1, False)
+        traffic.add("drive", _drive_bytes(params, precision, layout, group, accum, options.get("max_in_cpu", 10**9)),
+                    1, False)
 
 
-def _drive_bytes(params: Sequence[Param], precision: Precision, layout: Layout, group: int, accum: int) -> float:
+def _drive_bytes(params: Sequence[Param], precision: Precision, layout: Layout, group: int, accum: int,
+                 max_in_cpu: int) -> float:
     """Bytes read and written on the drive per step (ZeRO-Infinity): the fp32 partition and its optimizer state in
     and out, the swapped gradients out and in, with parameter offload each swapped parameter read for the forward
-    and the backward of every micro-step and written once; what `memory._zero_infinity` puts there."""
+    and the backward of every micro-step and written once, beyond the ``max_in_cpu`` elements DeepSpeed keeps in
+    host memory; what `memory._zero_infinity` puts there."""
     part = sum(math.ceil(p.numel / group) for p in params)
     big = [math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN]
     if 4 * part < SWAP_MIN:
         return 0.0
     total = 2 * (4 + precision.optimizer_state) * part + 2 * 4 * sum(big)
-    if "params" in layout.offload:
+    if "params" in layout.offload:  # what max_in_cpu does not keep in host memory: read twice a micro-step
         moved = sum(n for n in big if precision.low * n >= SWAP_MIN)
-        total += (2 * accum + 1) * precision.low * moved
+        total += (2 * accum + 1) * precision.low * max(0, moved - max_in_cpu)
     return total
 
 

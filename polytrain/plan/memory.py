@@ -300,9 +300,10 @@ def _zero_infinity(out: Prediction, params: Sequence[Param], precision: Precisio
     """ZeRO-3 with the optimizer (and the parameters) offloaded to a drive. DeepSpeed writes a tensor there only when
     a rank's part of it is at least `SWAP_MIN`: the flat fp32 partition with its optimizer state (one sub-group
     here) and, while it steps, the gradients of each large parameter; with parameter offload each large parameter's
-    partition too. In host memory: the rest, the optimizer swapper's pinned buffers (``buffer_count`` of the
+    partition too (a copy: DeepSpeed keeps up to ``max_in_cpu`` elements of the partition in host memory as well,
+    1e9 by default). In host memory: the rest, the optimizer swapper's pinned buffers (``buffer_count`` of the
     partition's size) and the parameter swapper's (``buffer_count`` × ``buffer_size`` elements, 2 GB in fp32 at
-    DeepSpeed's defaults, which also keep the parameters they hold)."""
+    DeepSpeed's defaults)."""
     s, low = precision.optimizer_state, precision.low
     part = zero3_partition(params, group)
     big = sum(math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN)
@@ -314,7 +315,8 @@ def _zero_infinity(out: Prediction, params: Sequence[Param], precision: Precisio
     if "params" in out.layout.offload:
         moved = sum(n for p in params if low * (n := math.ceil(p.numel / group)) >= SWAP_MIN)
         out.drive += low * moved
-        out.host += low * (part - moved) + low * options.get("param_buffers", 5 * 10**8)
+        held = min(part, part - moved + options.get("max_in_cpu", 10**9))  # DeepSpeed keeps up to max_in_cpu
+        out.host += low * held + low * options.get("param_buffers", 5 * 10**8)
     else:
         out.params = params_bytes
 
