@@ -216,7 +216,8 @@ CASES: tuple[Case, ...] = (
               ("fsdp: only used with backend 'fsdp'", "not 'ddp'")),
     spec_case("spec-deepspeed-offload-param-stage", "backend: deepspeed\ndeepspeed: {stage: 2, offload_param: true}\n",
               ("deepspeed.offload_param", "needs deepspeed.stage 3")),
-    spec_case("spec-deepspeed-nvme-without-path", "backend: deepspeed\ndeepspeed: {stage: 3, offload_optimizer: nvme}\n",
+    spec_case("spec-deepspeed-nvme-without-path",
+              "backend: deepspeed\ndeepspeed: {stage: 3, offload_optimizer: nvme}\n",
               ("deepspeed.nvme_path", "required with deepspeed.offload_optimizer: nvme")),
     # issue 26 item 7: a layout the zoo model cannot take, refused before any process starts
     spec_case("spec-pipeline-stages-beyond-blocks",

@@ -91,6 +91,8 @@ ALLOWED: list[tuple[str, str, str, str]] = [
     ("adapters/torch/framework.py", "live_model", "broadcast_object",
      "rank 0's initial weights (numpy arrays) of a model given to polytrain.fit or polytrain.torch: in-job"),
     ("adapters/torch/fsdp.py", "check_node_major", "all_gather_object", "one bool per rank: in-job"),
+    ("adapters/torch/zero_infinity.py", "prepare", "all_gather_object",
+     "each rank's nvme_path problem (a str) for every rank: in-job"),
     ("adapters/tensorflow/multiworker.py", "gather_hosts", "comm.allgather",
      "host names of the ranks of one mpirun/srun job"),
     ("polytrain/failures.py", "settled", "all_gather_object", TRAINER + " (each rank's failure: type name, message)"),

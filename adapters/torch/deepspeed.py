@@ -1,4 +1,4 @@
-"""``deepspeed``: DeepSpeed ZeRO stages 0–3, optional CPU offload, on CPU (gloo) or GPU (NCCL).
+"""``deepspeed``: DeepSpeed ZeRO 0–3, CPU or NVMe offload (`zero_infinity`), on CPU (gloo) or GPU (NCCL).
 
 The DeepSpeed config is generated from the spec (`deepspeed_config`); ``deepspeed.config``
 is merged over it key by key, and rank 0 writes the result to

@@ -1,5 +1,6 @@
 """``polytrain plan SPEC -np N [--nodes K] [--device-memory 80GiB] [--link intra=GB/s,inter=GB/s | --probe]
-[--device-tflops T] [--nvme-path DIR] [--json]``: which layouts fit, what each rank holds and sends per step, and the one to run.
+[--device-tflops T] [--nvme-path DIR] [--json]``: which layouts fit, what each rank holds and sends per step,
+and the one to run.
 
 One census of the model (`census.take_census`), then for every candidate (`candidates.candidates`) the memory
 (`memory.predict_memory`) and communication (`comms.predict_comms`) predictions, and a step time (the census'
@@ -119,7 +120,8 @@ def _row(spec: Any, pred: Any, limit: float, samples: int) -> dict[str, Any]:
     return {"layout": pred.layout.name, "fits": pred.device <= limit, "reason": cand.why_not(pred, limit),
             "device_bytes": pred.device, "parameters": pred.params, "gradients": pred.grads,
             "optimizer_state": pred.optimizer, "master_copies": pred.master, "activations": pred.activations,
-            "temporary": dict(pred.temporary), "host_bytes": pred.host, "drive_bytes": pred.drive, "micro_batch": pred.micro_batch,
+            "temporary": dict(pred.temporary), "host_bytes": pred.host, "drive_bytes": pred.drive,
+            "micro_batch": pred.micro_batch,
             "comm_payload": dict(pred.comm), "comm_sent_bytes": pred.wire, "comm_seconds": pred.comm_seconds,
             "compute_seconds": pred.compute_seconds, "step_seconds": pred.step_seconds,
             "set": cand.overrides(spec, pred.layout, samples), **{"grid": [pred.layout.pipeline, pred.layout.data,

@@ -122,8 +122,9 @@ def test_nvme_offload_matches_the_run_without_it(name: str, reference: tuple, nv
         params = {k: v for k, v in seen["end"].items() if "params/" in k}
         # the fp32 master partition from the start, its momentum from the first step: 4 + 4 bytes for each element
         # of this rank's half of the weights (padded); beside them the gradients being swapped
-        assert [k for k in seen["start"] if "/optimizer/" in k] == [f"{next(iter(seen['start'])).split('/')[0]}/"
-                                                                     f"zero_stage_3/optimizer/rank{rank}/0_5.tensor.swp"]
+        job = next(iter(seen["start"])).split("/")[0]
+        first = f"{job}/zero_stage_3/optimizer/rank{rank}/0_5.tensor.swp"
+        assert [k for k in seen["start"] if "/optimizer/" in k] == [first]
         assert sum(optimizer.values()) >= 8 * (numel // 2), optimizer
         assert any("_gradient_" in k for k in seen["end"])
         if "params" in name:  # the big layer's half, in fp32 (DeepSpeed's CPU default of bf16 would halve it)
@@ -208,8 +209,8 @@ def test_a_drive_that_fills_up_mid_run_ends_it_in_one_line(tmp_path: Path) -> No
     nvme.mkdir()
     mounted = ("unshare", "-m", "--propagation", "private", "sh", "-c",
                'mount -t tmpfs -o size=40m polytrain-test "$NVME_DIR" && exec "$@"', "sh", sys.executable)
-    failed = train(out, [*JOB, *ZERO3, *NVME["optimizer"], f"deepspeed.nvme_path={nvme}", "callbacks=[nvme_hooks:Fill]"],
-                   python=mounted, timeout=300,
+    sets = [*JOB, *ZERO3, *NVME["optimizer"], f"deepspeed.nvme_path={nvme}", "callbacks=[nvme_hooks:Fill]"]
+    failed = train(out, sets, python=mounted, timeout=300,
                    env={"PYTHONPATH": HOOKS_DIR, "NVME_DIR": str(nvme), "NVME_FILL_STEP": str(SPLIT)})
     assert failed.returncode == 1, failed.stderr[-3000:]
     kept = complete_checkpoints(out / "checkpoints")
@@ -234,8 +235,9 @@ def test_an_nvme_path_that_cannot_be_made_is_one_line_before_training(tmp_path: 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     failed = run(tmp_path / "out", [*ZERO3, *NVME["optimizer"]], nvme=blocker / "nvme", launch=True)
-    line = re.compile(rf"polytrain: error: deepspeed\.nvme_path: cannot create {re.escape(str(blocker))}/nvme/polytrain-"
-                      r"[0-9a-f]{12} \(Not a directory\); choose a writable directory \(rank 0\)$")
+    line = re.compile(r"polytrain: error: deepspeed\.nvme_path: cannot create "
+                      rf"{re.escape(str(blocker))}/nvme/polytrain-[0-9a-f]{{12}} \(Not a directory\); "
+                      r"choose a writable directory \(rank 0\)$")
     found = [x for x in failed.stderr.splitlines() if line.match(x)]
     assert len(found) == 2 and found[0] == found[1], failed.stderr[-3000:]
     assert "exited with code 2" in failed.stderr and "Traceback" not in failed.stderr

@@ -127,7 +127,8 @@ def test_overrides_merge_table_by_table_and_replace_anything_else() -> None:
     ({"deepspeed": {"config": {"zero_optimization": {"stage": True}}}},
      "deepspeed.config.zero_optimization.stage: True disagrees with deepspeed.stage (2)"),
     ({"deepspeed": {"stage": 2, "config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}},
-     "deepspeed.config.zero_optimization.offload_optimizer: set deepspeed.offload_optimizer: true instead"),    ({"deepspeed": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/x", "config": {
+     "deepspeed.config.zero_optimization.offload_optimizer: set deepspeed.offload_optimizer: true instead"),
+    ({"deepspeed": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/x", "config": {
         "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}}},
      "deepspeed.config.zero_optimization.offload_optimizer.device: 'cpu' disagrees with deepspeed.offload_optimizer "
      "('nvme')"),
