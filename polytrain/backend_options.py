@@ -76,6 +76,11 @@ class DeepSpeedSpec:
         """Where partitioned parameters are offloaded: "" (nowhere), "cpu" or "nvme"."""
         return offload_device(self.offload_param)
 
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether anything is offloaded to the drive under ``nvme_path`` (ZeRO-Infinity)."""
+        return "nvme" in (self.optimizer_device, self.param_device)
+
     def check(self, spec: TrainSpec) -> None:
         self._check_nvme()
         if self.offload_param and self.stage != 3:

@@ -155,7 +155,7 @@ class DeepSpeedBackend(TorchBackend):
             out = Path(self.spec.output)
             out.mkdir(parents=True, exist_ok=True)
             (out / CONFIG_FILE).write_text(jsonfiles.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        if zero_infinity.uses_nvme(self.spec):  # checked on every rank; a killed run's files removed
+        if self.spec.deepspeed.uses_nvme:  # checked on every rank; a killed run's files removed
             self._nvme = zero_infinity.prepare(self, sum(p.numel() for p in model.parameters()))
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         engine.set_gradient_accumulation_boundary(True)

@@ -1,8 +1,8 @@
 """ZeRO-Infinity: DeepSpeed's optimizer state and partitioned parameters in files on an NVMe drive.
 
 ``deepspeed: {stage: 3, offload_optimizer: nvme, offload_param: nvme, nvme_path: DIR, aio: {...}}``. DeepSpeed
-writes the files itself, through its async I/O op (``async_io``, built once against libaio into the same cache
-as the other JIT-built ops); polytrain owns where they go and that they go away:
+writes the files itself, through its async I/O op (``async_io``, built once against libaio and kept by versions,
+`load_aio_op`); polytrain owns where they go and that they go away:
 
 - the folder: ``<nvme_path>/polytrain-<digest of the output directory>``, so two jobs sharing a drive never meet
   and a restarted job finds its own; DeepSpeed makes ``zero_stage_3/optimizer/rank<R>`` and
@@ -45,10 +45,6 @@ OP_CACHE = Path.home() / ".cache" / "polytrain" / "deepspeed_ops"  # built ops, 
 MARGIN = 1.1  # room over the estimate: DeepSpeed pads each swapped tensor to its I/O alignment
 
 
-def uses_nvme(spec: TrainSpec) -> bool:
-    return "nvme" in (spec.deepspeed.optimizer_device, spec.deepspeed.param_device)
-
-
 def job_folder(spec: TrainSpec) -> Path:
     """Where this job's offloaded files go: one folder per output directory under ``deepspeed.nvme_path``."""
     tag = hashlib.sha256(str(Path(spec.output).resolve()).encode()).hexdigest()[:12]
@@ -69,26 +65,24 @@ def offload_section(spec: TrainSpec, key: str, on_gpu: bool) -> dict[str, Any] |
 
 def aio_section(spec: TrainSpec) -> dict[str, Any] | None:
     """DeepSpeed's ``aio`` table from ``deepspeed.aio`` (None without an nvme offload)."""
-    if not uses_nvme(spec):
-        return None
-    aio = spec.deepspeed.aio
-    return {"block_size": aio.block_size, "queue_depth": aio.queue_depth,
-            "intra_op_parallelism": aio.intra_op_parallelism, "single_submit": aio.single_submit,
-            "overlap_events": aio.overlap_events}
+    from polytrain import schema
+
+    return schema.plain(spec.deepspeed.aio) if spec.deepspeed.uses_nvme else None
 
 
 def needed_bytes(spec: TrainSpec, numel: int, world_size: int) -> int:
     """What one rank writes to the drive, at most: its ZeRO-3 partition of the fp32 master weights, of their
     gradients and of the optimizer's state (offload_optimizer: nvme), and of the parameters in their training dtype
     (offload_param: nvme)."""
-    from polytrain.plan.memory import optimizer_state_bytes
+    from polytrain.plan.memory import Precision, optimizer_state_bytes
 
+    precision = Precision(spec.precision, optimizer_state_bytes(spec.optimizer.name, spec.optimizer.momentum))
     part = math.ceil(numel / world_size)
     per_element = 0
     if spec.deepspeed.optimizer_device == "nvme":
-        per_element += 4 + 4 + optimizer_state_bytes(spec.optimizer.name, spec.optimizer.momentum)
+        per_element += 4 + 4 + precision.optimizer_state
     if spec.deepspeed.param_device == "nvme":
-        per_element += 4 if spec.precision == "fp32" else 2
+        per_element += precision.low
     return int(per_element * part * MARGIN) + ALIGN
 
 
@@ -172,22 +166,27 @@ def problem(folder: Path, need: int) -> str:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return f"cannot create {folder} ({exc.strerror or exc}); choose a writable directory"
-    probe = folder / f"{PROBE}-{os.getpid()}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-        os.close(fd)
+        create_probe(folder, getattr(os, "O_DIRECT", 0))
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return (f"{folder} is on a filesystem without direct I/O (O_DIRECT), which DeepSpeed's async I/O "
                     "needs; choose a directory on a local drive")
         return f"cannot write to {folder} ({exc.strerror or exc}); choose a writable directory"
-    finally:
-        probe.unlink(missing_ok=True)
     free = free_bytes(folder)
     if free < need:
         return (f"{free / 2**20:.1f} MiB free under {folder}, but this node's ranks write about "
                 f"{need / 2**20:.1f} MiB there; free space or choose another drive")
     return ""
+
+
+def create_probe(folder: Path, flags: int = 0) -> None:
+    """Make (with ``flags``) and remove a file in ``folder``; raises the OSError that stops it."""
+    probe = folder / f"{PROBE}-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | flags, 0o600))
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def prepare(backend: Any, numel: int) -> Path:
@@ -260,9 +259,7 @@ def write_failure(spec: TrainSpec, folder: Path, rank: int) -> TrainingFailure |
     for path in [*rank_files(folder, rank), folder]:
         try:
             if path.is_dir():
-                probe = path / f"{PROBE}-{os.getpid()}"
-                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o600))
-                probe.unlink()
+                create_probe(path)
             else:
                 os.close(os.open(path, os.O_WRONLY))
         except OSError as error:

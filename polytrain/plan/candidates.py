@@ -133,7 +133,7 @@ def spec_layout(spec: TrainSpec, world: int) -> Layout:
     ds = spec.deepspeed
     if backend == "deepspeed" and ds.offload_optimizer:
         offload = "optimizer+params" if ds.offload_param else "optimizer"
-        offload = f"nvme-{offload}" if "nvme" in (ds.optimizer_device, ds.param_device) else offload
+        offload = f"nvme-{offload}" if ds.uses_nvme else offload
     return Layout(backend, sharding=spec.fsdp.sharding if backend == "fsdp" else None,
                   stage=ds.stage if backend == "deepspeed" else None, offload=offload, tensor=t,
                   pipeline=p, data=max(world // (t * p), 1),

@@ -42,6 +42,7 @@ from polytrain.plan.memory import (
     Precision,
     fsdp_groups,
     fsdp_shard,
+    swapped_parts,
     units,
     zero3_kept,
     zero_partition,
@@ -168,13 +169,11 @@ def _drive_bytes(params: Sequence[Param], precision: Precision, layout: Layout, 
     and out, the swapped gradients out and in, with parameter offload each swapped parameter read for the forward
     and the backward of every micro-step and written once, beyond the ``max_in_cpu`` elements DeepSpeed keeps in
     host memory; what `memory._zero_infinity` puts there."""
-    part = sum(math.ceil(p.numel / group) for p in params)
-    big = [math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN]
+    part, big, moved = swapped_parts(params, group, precision.low)
     if 4 * part < SWAP_MIN:
         return 0.0
-    total = 2 * (4 + precision.optimizer_state) * part + 2 * 4 * sum(big)
+    total = 2 * (4 + precision.optimizer_state) * part + 2 * 4 * big
     if "params" in layout.offload:  # what max_in_cpu does not keep in host memory: read twice a micro-step
-        moved = sum(n for n in big if precision.low * n >= SWAP_MIN)
         total += (2 * accum + 1) * precision.low * max(0, moved - max_in_cpu)
     return total
 

@@ -305,20 +305,27 @@ def _zero_infinity(out: Prediction, params: Sequence[Param], precision: Precisio
     partition's size) and the parameter swapper's (``buffer_count`` × ``buffer_size`` elements, 2 GB in fp32 at
     DeepSpeed's defaults)."""
     s, low = precision.optimizer_state, precision.low
-    part = zero3_partition(params, group)
-    big = sum(math.ceil(p.numel / group) for p in params if 4 * math.ceil(p.numel / group) >= SWAP_MIN)
+    part, big, moved = swapped_parts(params, group, low)
     if 4 * part >= SWAP_MIN:
         out.drive = (4 + s) * part + 4 * big
         out.host = 4 * (part - big) + 4 * options.get("optimizer_buffers", 4) * part
     else:
         out.host = 4 * part + (4 + s) * part
     if "params" in out.layout.offload:
-        moved = sum(n for p in params if low * (n := math.ceil(p.numel / group)) >= SWAP_MIN)
         out.drive += low * moved
         held = min(part, part - moved + options.get("max_in_cpu", 10**9))  # DeepSpeed keeps up to max_in_cpu
         out.host += low * held + low * options.get("param_buffers", 5 * 10**8)
     else:
         out.params = params_bytes
+
+
+def swapped_parts(params: Sequence[Param], group: int, low: int) -> tuple[int, int, int]:
+    """ZeRO-Infinity's rule, in elements of one rank: its flat ZeRO-3 partition, the parts of the parameters large
+    enough (`SWAP_MIN`) for their fp32 gradients to be swapped, and of those whose partitions in the training dtype
+    (``low`` bytes) are."""
+    parts = [math.ceil(p.numel / group) for p in params]
+    return (zero3_partition(params, group), sum(n for n in parts if 4 * n >= SWAP_MIN),
+            sum(n for n in parts if low * n >= SWAP_MIN))
 
 
 def zero3_kept(params: Sequence[Param], options: Mapping[str, Any]) -> list[Param]:
