@@ -14,14 +14,24 @@ TESTS = Path(__file__).resolve().parent
 RAY_FILES = ("test_ray.py", "test_own_loop.py", "test_elastic.py", "test_sweep.py")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a file's tests run on one worker, so its
     module fixtures are made once; the namespace-cluster tests share one worker (its session cluster), and so do
-    the files that start local Ray clusters."""
+    the files that start local Ray clusters. First of the hooks: xdist's own reads the marks to name the group."""
     for item in items:
         path = item.path.relative_to(TESTS)
         group = ("cluster" if path.parts[0] == "cluster" else "ray" if path.name in RAY_FILES else str(path))
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A worker whose tests came out of collection without their group (a pytest that xdist cannot suffix, such
+    as 9.2) would let two workers run one file's tests and two Ray or namespace clusters at once: stop there."""
+    if getattr(session.config.option, "loadgroup", False) and session.items:
+        if "@" not in session.items[0].nodeid:
+            raise pytest.UsageError(f"--dist loadgroup did not group the tests under pytest {pytest.__version__}; "
+                                    "install the pytest that constraints.txt pins")
 
 
 @pytest.fixture
