@@ -114,8 +114,7 @@ def check_model(parallel: ParallelSpec, name: str, params: Mapping[str, Any]) ->
         return
     params_obj = zoo.model_params(name, params)
     if isinstance(params_obj, zoo.TransformerParams):
-        check_transformer(parallel, params_obj.n_heads, params_obj.d_ff or 4 * params_obj.d_model,
-                          params_obj.tie_weights)
+        check_transformer(parallel, params_obj.n_heads, params_obj.d_ff or 4 * params_obj.d_model)
         check_blocks(parallel, params_obj.n_layers, "model.params.n_layers")
         return
     if parallel.tensor > 1 and parallel.tensor_plan is None:
@@ -148,16 +147,13 @@ def cannot_pipeline(model: str) -> SpecError:
                      "'transformer' or such a factory")
 
 
-def check_transformer(parallel: ParallelSpec, n_heads: int, d_ff: int, tied: bool) -> None:
+def check_transformer(parallel: ParallelSpec, n_heads: int, d_ff: int) -> None:
     """The zoo transformer's own limits, known before any process starts."""
     if parallel.tensor > 1 and n_heads % parallel.tensor:
         raise SpecError(f"parallel.tensor: {parallel.tensor} does not divide the transformer's {n_heads} attention "
                         "heads (model.params.n_heads); each rank computes whole heads")
     if parallel.tensor > 1 and d_ff % parallel.tensor:
         raise SpecError(f"parallel.tensor: {parallel.tensor} does not divide the MLP width {d_ff} (model.params.d_ff)")
-    if parallel.pipeline > 1 and tied:
-        raise SpecError("parallel.pipeline: the transformer's tied embedding and head would run on the first and "
-                        "the last stage; set model.params.tie_weights: false")
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,6 @@ def test_balanced_boundaries_follow_parameter_counts() -> None:
                                                                     "are PyTorch-only here"),
     ({"tensor": 2}, {"backend": "deepspeed"}, "parallel.tensor: combines with backend ddp or fsdp"),
     ({"tensor": 3}, {}, "parallel.tensor: 3 does not divide the transformer's 4 attention heads"),
-    ({"pipeline": 2}, {"model": {"name": "transformer", "params": {"tie_weights": True}}},
-     "parallel.pipeline: the transformer's tied embedding and head"),
     ({"pipeline": 2, "microbatches": 3}, {}, "parallel.microbatches: 3 must divide data.batch_size 8"),
     ({"microbatches": 2}, {}, "parallel.microbatches: only used with parallel.pipeline > 1"),
     ({"tensor_plan": "x.y:z"}, {}, "parallel.tensor_plan: only used with parallel.tensor > 1"),

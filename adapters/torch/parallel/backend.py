@@ -35,7 +35,7 @@ from polytrain.adapters.torch.parallel.tensor import from_portable, to_portable
 from polytrain.layout import grid_for
 from polytrain.protocols import DataShard
 from polytrain.spec import TrainSpec
-from polytrain.timeline import NULL, Timeline
+from polytrain.timeline import COLLECTIVES, NULL, Timeline
 from polytrain.watchdog import Activity
 from polytrain.world import World
 
@@ -55,6 +55,11 @@ class ParallelBackend(TorchBackend):
         self.data_shard = DataShard(self.grid.data, self.grid.data_rank, self.grid.reports)
         self.pipeline: Any = None
         self.head_major: dict[str, int] = {}
+        #: a tied weight split over two pipeline ranks: {last-stage name: first-stage name} (`pipeline.tied_weights`)
+        self.tied: dict[str, str] = {}
+        self._tied_params: list[nn.Parameter] = []
+        self._copies: set[int] = set()
+        self._tied_group: Any = None
         self._sync = True
 
     @property
@@ -78,7 +83,8 @@ class ParallelBackend(TorchBackend):
         self.data.bind(self.mesh)
 
     def teardown(self) -> None:
-        self.pipeline = self.pp_group = None  # the stages and the groups they use
+        self.pipeline = self.pp_group = self._tied_group = None  # the stages and the groups they use
+        self._tied_params = []
         self.data.release()
         super().teardown()
 
@@ -90,9 +96,11 @@ class ParallelBackend(TorchBackend):
         """Split ``model`` in place (see the module's docstring); ``optimizer`` (its class and its groups'
         settings) rebuilt over this rank's parameters as they are now, its state empty."""
         parallel = self.spec.parallel
-        names = {id(p): n for n, p in model.named_parameters()}
+        names: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):  # a tied weight under each name
+            names.setdefault(id(param), []).append(name)
         self.order = list(model.state_dict().keys())
-        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
         example = None
         if parallel.pipeline > 1:
             from polytrain.adapters.torch.parallel.pipeline import example_input
@@ -108,14 +116,36 @@ class ParallelBackend(TorchBackend):
             from polytrain.adapters.torch.parallel.runner import PipelineRunner
 
             assert example is not None
-            placed = cut(self.spec, model, example, self.grid.stage)
             total = parallel.pipeline * parallel.chunks
+            if (total - 1) % parallel.pipeline != 0:  # the first and the last stage on two ranks
+                self._split_tied(model, example)
+            placed = cut(self.spec, model, example, self.grid.stage)
             stages = [module for _, module in placed]
             self.pipeline = PipelineRunner(placed, total, parallel.schedule, parallel.n_microbatches, self.device,
                                            self.pp_group, self.timeline)
         self._stages, self._model = stages, model
         self.data.wrap(stages, self.spec, self.device, self.mesh)
+        held = dict(model.named_parameters())
+        self._tied_params = [held[name] for copy, owner in sorted(self.tied.items(), key=lambda item: item[1])
+                             for name in (copy, owner) if name in held]
+        self._copies = {id(held[copy]) for copy in self.tied if copy in held}  # counted once in the norm
         return model, _rebuilt_optimizer(optimizer, names, model)
+
+    def _split_tied(self, model: nn.Module, example: torch.Tensor) -> None:
+        from polytrain.adapters.torch.parallel.pipeline import tied_weights
+
+        self.tied = tied_weights(model, example, self.spec)
+        if self.tied:
+            self._tied_group = layout_state.tied_group(self.mesh, self.pp_group)
+
+    def _sum_tied(self) -> None:
+        """The step's gradient of each tied weight: the sum of its two copies' (first and last stage)."""
+        if not self._tied_params:
+            return
+        started = self.timeline.now()
+        nbytes = layout_state.sum_tied_gradients(self._tied_params, self._tied_group)
+        self.timeline.complete("tied weights (first + last stage)", "collective", started, self.timeline.now(),
+                               track=COLLECTIVES, op="allreduce", bytes=nbytes)
 
     def compile_model(self, model: nn.Module, mode: str) -> None:
         """Each of this rank's blocks (torchtitan's per-block compile): the tensor-parallel collectives and
@@ -149,6 +179,7 @@ class ParallelBackend(TorchBackend):
             loss = self.pipeline.train(x, y, loss_sum, scale, autocast)
         if sync:
             self.data.sync(self._model.parameters(), self.timeline)
+            self._sum_tied()
         return loss
 
     def eval_outputs(self, model: nn.Module, x: torch.Tensor,
@@ -158,7 +189,7 @@ class ParallelBackend(TorchBackend):
         return self.pipeline.forward(x, autocast)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
-        return layout_state.clip_gradients(list(model.parameters()), max_norm, self.pp_group)
+        return layout_state.clip_gradients(list(model.parameters()), max_norm, self.pp_group, self._copies)
 
     def grads_finite(self, model: nn.Module) -> bool:
         grads = [layout_state.local(p.grad) for p in model.parameters() if p.grad is not None]
@@ -188,6 +219,7 @@ class ParallelBackend(TorchBackend):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         mine = set(model.state_dict().keys())
+        state = {**{copy: state[owner] for copy, owner in self.tied.items() if owner in state}, **state}
         part = {k: v.to(self.device) for k, v in from_portable(state, self.head_major).items() if k in mine}
         set_model_state_dict(model, part, options=StateDictOptions(full_state_dict=True))
 
@@ -195,28 +227,36 @@ class ParallelBackend(TorchBackend):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        # a tied weight's second copy holds the first's state: one process has it once, under the first name
         mine = layout_state.full_tensors({f"{name}/{key}": value for name, slots in osd["state"].items()
-                                          for key, value in slots.items()})
+                                          if name not in self.tied for key, value in slots.items()})
         return layout_state.gather_stages(to_portable(mine, self.head_major), self.pp_group, self.order)
 
     def load_full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: Mapping[str, torch.Tensor]) -> None:
         from polytrain.adapters.torch.fsdp import load_optimizer_state_dcp
 
+        state = dict(state)
+        for copy, owner in self.tied.items():  # the copy's state is the first-stage weight's
+            state.update({f"{copy}/{key.rpartition('/')[2]}": value for key, value in list(state.items())
+                          if key.rpartition("/")[0] == owner})
         # another stage's parameters are another rank's
         load_optimizer_state_dcp(model, optimizer, from_portable(state, self.head_major), self.device,
                                  elsewhere=self.shapes)
 
 
-def _rebuilt_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+def _rebuilt_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, list[str]],
                        model: nn.Module) -> torch.optim.Optimizer:
     """`backend.rebuilt_optimizer` for a layout: the parameters another pipeline stage holds (gone from this
-    rank's pruned model) are left out of their groups; every group stays, so group indices keep their meaning."""
+    rank's pruned model) are left out of their groups; every group stays, so group indices keep their meaning. A
+    tied weight is found under whichever of its names this rank still holds."""
     now = dict(model.named_parameters())
     groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [now[names[id(p)]] for p in group["params"] if names.get(id(p)) in now]}
+               "params": [now[held[0]] for p in group["params"]
+                          for held in [[n for n in names.get(id(p), []) if n in now]] if held]}
               for group in optimizer.param_groups]
     return type(optimizer)(groups)
+
 
 
 def ddp_layout(spec: TrainSpec, world: World, *, timeline: Timeline = NULL,

@@ -7,7 +7,9 @@ block — and ``finish(h)`` — everything after the last — so that ``forward(
 The modules ``embed`` uses (found by running it once on an example input) go to the first stage, every other
 module outside the blocks to the last. Stages hold consecutive blocks, balanced by parameter count or cut at
 ``parallel.stage_boundaries``. With ``stages_per_rank`` (interleaved schedules) there are ``P × V`` stages and
-stage ``s`` runs on pipeline rank ``s mod P``.
+stage ``s`` runs on pipeline rank ``s mod P``. A weight shared by the first and the last stage (a tied input
+embedding and output head) is held by both ranks, each a copy, their gradients summed every step
+(`tied_weights`; the backend's ``sum_tied_gradients``).
 
 **What a rank keeps.** The model object itself, pruned: blocks of other stages become ``nn.Identity`` and
 first/last-stage modules of other ranks are removed, so parameter names stay those of the whole model
@@ -113,7 +115,9 @@ class StageModule(nn.Module):
 
 
 def cut(spec: TrainSpec, model: nn.Module, example: torch.Tensor, pp_rank: int) -> list[tuple[int, StageModule]]:
-    """Prune ``model`` to this pipeline rank's stages (see the module's docstring); returns (stage index, stage)."""
+    """Prune ``model`` to this pipeline rank's stages (see the module's docstring); returns (stage index, stage).
+    A weight the first and the last stage share (`tied_weights`) stays one Parameter where one rank holds both,
+    and becomes one copy on each of two ranks otherwise."""
     parallel = spec.parallel
     paths = block_paths(model, spec)
     check_blocks(parallel, len(paths), f"{type(model).__name__}'s block_classes")
@@ -123,7 +127,6 @@ def cut(spec: TrainSpec, model: nn.Module, example: torch.Tensor, pp_rank: int) 
     if model._parameters and any(p is not None for p in model._parameters.values()):
         raise SpecError(f"parallel.pipeline: {type(model).__name__} has parameters of its own "
                         f"({', '.join(model._parameters)}); keep them in submodules so a stage can own them")
-    _check_not_tied(model, sorted(first), last)
     ranges = stage_ranges(spec, model, paths, first)
     total = len(ranges)
     mine = [s for s in range(total) if s % parallel.pipeline == pp_rank]
@@ -144,14 +147,18 @@ def cut(spec: TrainSpec, model: nn.Module, example: torch.Tensor, pp_rank: int) 
     return stages
 
 
-def _check_not_tied(model: nn.Module, first: list[str], last: list[str]) -> None:
-    owners = {id(p): name for name in first for p in getattr(model, name).parameters()}
-    for name in last:
-        for param in getattr(model, name).parameters():
-            if id(param) in owners:
-                raise SpecError(f"parallel.pipeline: {owners[id(param)]} and {name} share a weight but run on the "
-                                "first and last stage; untie them (for the transformer: model.params.tie_weights: "
-                                "false)")
+def tied_weights(model: nn.Module, example: torch.Tensor, spec: TrainSpec) -> dict[str, str]:
+    """The weights a last-stage module shares with a first-stage one (the transformer's tied head), as
+    {last-stage name: first-stage name}, found on the whole model before `cut`. Under pipeline parallel each of
+    the two stages' ranks keeps its own copy (Megatron's way): `sum_tied_gradients` adds the copies' gradients
+    every step, so both take the same update and stay equal."""
+    first = embed_modules(model, example)
+    block_roots = {path.split(".")[0] for path in block_paths(model, spec)}
+    owners = {id(p): f"{name}.{pname}" for name in sorted(first)
+              for pname, p in getattr(model, name).named_parameters(remove_duplicate=False)}
+    return {f"{name}.{pname}": owners[id(p)] for name, child in model.named_children()
+            if name not in first and name not in block_roots
+            for pname, p in child.named_parameters(remove_duplicate=False) if id(p) in owners}
 
 
 def example_input(info: Any) -> torch.Tensor:

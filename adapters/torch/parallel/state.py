@@ -8,7 +8,7 @@ parameters, the transformer's qkv rows in their portable order — on every rank
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,13 +44,51 @@ def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int) -> 
     return flat.numel() * flat.element_size()
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], pp_group: Any | None) -> torch.Tensor:
+def tied_group(mesh: Any, pp_group: Any | None) -> Any:
+    """The group of the first and the last pipeline rank of this rank's ``pp`` line (the pp group itself at
+    P = 2); None on the ranks between. Collective: every rank makes every line's group, in one order."""
+    pipeline = mesh.size(0)
+    if pipeline == 2:
+        return pp_group
+    mine = None
+    for line in mesh.mesh.reshape(pipeline, -1).T.tolist():
+        group = dist.new_group([line[0], line[-1]])
+        if dist.get_rank() in (line[0], line[-1]):
+            mine = group
+    return mine
+
+
+def sum_tied_gradients(params: list[nn.Parameter], group: Any) -> int:
+    """Add up the gradients of a tied weight's two copies (first and last stage; ``params`` in one order on both,
+    DTensor shards as they are) in one flat all-reduce over ``group``: each copy then holds the gradient the one
+    shared weight of the whole model gets. Returns the bytes reduced."""
+    for param in params:  # an embedding's gradient may come out of tensor parallel replicated: shard it as its weight
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+    grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for param, grad in zip(params, grads):
+        value = flat[offset:offset + grad.numel()].view_as(grad)
+        offset += grad.numel()
+        if param.grad is None:
+            param.grad = DTensor.from_local(value.clone(), param.device_mesh, param.placements) \
+                if isinstance(param, DTensor) else value.clone()
+        else:
+            grad.copy_(value)
+    return flat.numel() * flat.element_size()
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], pp_group: Any | None,
+                     copies: Container[int] = ()) -> torch.Tensor:
     """The 2-norm of the whole model's gradient: DTensor shards summed over their meshes, each replicated
-    tensor counted once, the pipeline stages summed over ``pp_group``."""
+    tensor counted once, the pipeline stages summed over ``pp_group``; a tied weight's second copy (ids in
+    ``copies``) is not counted again."""
     total = torch.zeros((), dtype=torch.float64)
     for param in params:
         grad = param.grad
-        if grad is None:
+        if grad is None or id(param) in copies:
             continue
         norm = torch.linalg.vector_norm(grad.float())
         if isinstance(norm, DTensor):
@@ -63,8 +101,9 @@ def global_grad_norm(params: Iterable[nn.Parameter], pp_group: Any | None) -> to
     return total.sqrt()
 
 
-def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_group: Any | None) -> float:
-    norm = float(global_grad_norm(params, pp_group))
+def clip_gradients(params: list[nn.Parameter], max_norm: float, pp_group: Any | None,
+                   copies: Container[int] = ()) -> float:
+    norm = float(global_grad_norm(params, pp_group, copies))
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for param in params:

@@ -1,0 +1,111 @@
+"""The zoo transformer's default, a tied input embedding and output head, under pipeline parallel (issue 32
+item 1), with real processes under torchrun (gloo on loopback).
+
+The first stage holds the embedding, the last stage a copy of it as the head; the two copies' gradients are
+summed every step, so both take the one weight's update. The job is test_model_parallel's parity job (SGD with
+momentum, clipping that bites — a tied gradient counted twice in the norm would show —, 2 micro-steps of
+accumulation, 22 steps, a checkpoint at step 11) on the tied LM. Each layout matches one process within 1e-5:
+P=2, P=4 (the two copies' ranks in a group of their own) and P=2 × T=2 straight through; P=2 × D=2 with FSDP as the data dimension resumed from the one-process
+checkpoint; one process resumed from the P=2 checkpoint. The P=2 checkpoint is the one process's in form: the same names, the embedding and the head equal
+to the bit, the optimizer state once, under the embedding's name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from procs import check, step_losses, train
+from safetensors.numpy import load_file
+from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
+
+from polytrain.checkpoint import read_model, step_dir_name
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+
+TIED = as_sets(merged(lm(tokens={**TOKENS, "samples": 640}, n_layers=4, tie_weights=True, dropout=0.0),
+                      PARITY_TRAINING, {"optimizer": {"lr": 0.5}, "schedule": None,
+                                        "data": {"global_batch_size": 32}, "checkpoint": {"every_n_steps": 11}}))
+STEPS, SAVED = 22, 11
+P2 = ["backend=ddp", "parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.microbatches=4"]
+P2T2 = ["backend=ddp", "parallel.pipeline=2", "parallel.tensor=2"]
+P4 = ["backend=ddp", "parallel.pipeline=4", "parallel.microbatches=4"]
+P2D2_FSDP = ["backend=fsdp", "parallel.pipeline=2"]
+
+
+def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict]:
+    result = check(train(out, [*TIED, *changes], nproc=nproc, resume=resume, timeout=600))
+    assert not result.left_behind, result.left_behind
+    state, manifest = read_model(out)
+    assert manifest["world_size"] == nproc
+    assert len(set(manifest["rank_state_digests"])) == 1, manifest["rank_state_digests"]
+    return step_losses(out), state
+
+
+def within(losses: np.ndarray, state: dict, ref_losses: np.ndarray, ref_state: dict) -> tuple[float, float]:
+    assert set(state) == set(ref_state)
+    np.testing.assert_array_equal(state["head.weight"], state["tok_emb.weight"])  # still one weight
+    loss_rel = float(np.max(np.abs(losses - ref_losses) / np.abs(ref_losses)))
+    weight_rel = max(float(np.max(np.abs(state[k] - ref_state[k])) / np.max(np.abs(ref_state[k])))
+                     for k in ref_state)
+    return loss_rel, weight_rel
+
+
+def saved(out: Path) -> Path:
+    return out / "checkpoints" / step_dir_name(SAVED)
+
+
+def optimizer_file(out: Path) -> dict[str, np.ndarray]:
+    return load_file(str(saved(out) / "optimizer.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray, dict]]:
+    done = {}
+    for name, nproc, changes in (("one", 1, ["backend=ddp"]), ("p2", 2, P2), ("p2t2", 4, P2T2), ("p4", 4, P4)):
+        out = tmp_path_factory.mktemp(name)
+        done[name] = (out, *trained(out, nproc, changes))
+    return done
+
+
+def test_a_tied_model_trains_at_pipeline2_like_one_process(runs: dict) -> None:
+    _, ref_losses, ref_state = runs["one"]
+    assert ref_losses[-1] < ref_losses[0] - 0.1  # it learned something
+    out, losses, state = runs["p2"]
+    loss_rel, weight_rel = within(losses, state, ref_losses, ref_state)
+    print(f"\ntied pipeline2: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
+    # the checkpoint in the one process's form: its model tensors and its optimizer state's names
+    one, p2 = (load_file(str(saved(run) / "model.safetensors")) for run in (runs["one"][0], out))
+    assert sorted(p2) == sorted(one)
+    np.testing.assert_array_equal(p2["head.weight"], p2["tok_emb.weight"])
+    assert sorted(optimizer_file(out)) == sorted(optimizer_file(runs["one"][0]))
+    assert not any(key.startswith("head.weight/") for key in optimizer_file(out))
+
+
+@pytest.mark.parametrize("layout", ["p2t2", "p4"])
+def test_a_tied_model_trains_at_pipeline2_tensor2_and_pipeline4_like_one_process(layout: str, runs: dict) -> None:
+    _, ref_losses, ref_state = runs["one"]
+    _, losses, state = runs[layout]
+    loss_rel, weight_rel = within(losses, state, ref_losses, ref_state)
+    print(f"\ntied {layout}: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
+
+
+def test_the_one_process_checkpoint_resumes_tied_at_pipeline2_over_fsdp(runs: dict, tmp_path: Path) -> None:
+    source, ref_losses, ref_state = runs["one"]
+    losses, state = trained(tmp_path, 4, P2D2_FSDP, resume=saved(source))
+    assert len(losses) == STEPS - SAVED
+    loss_rel, weight_rel = within(losses, state, ref_losses[SAVED:], ref_state)
+    print(f"\ntied fsdp × pipeline2 (resumed): losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
+
+
+def test_the_pipeline2_checkpoint_resumes_tied_on_one_process(runs: dict, tmp_path: Path) -> None:
+    _, ref_losses, ref_state = runs["one"]
+    source = runs["p2"][0]
+    losses, state = trained(tmp_path, 1, ["backend=ddp"], resume=saved(source))
+    loss_rel, weight_rel = within(losses, state, ref_losses[SAVED:], ref_state)
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
