@@ -46,6 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 P = 2
 MODEL = {"d_model": 256, "n_heads": 4, "n_layers": 4, "tie_weights": False}
 VOCAB, SEQ = 256, 64
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+MULTI = SCHEDULES[2:]  # 2 model chunks per rank (V = 2): round robin, or V-shaped for zbv and dualpipev
+ZERO_BUBBLE = SCHEDULES[3:]
 
 
 def train_command(schedule: str, m: int, mb_size: int, steps: int, out: Path, trace: Path) -> list[str]:
@@ -60,7 +63,7 @@ def train_command(schedule: str, m: int, mb_size: int, steps: int, out: Path, tr
                 "loop.epochs": 1, "loop.max_steps": steps, "output": out}
     settings.update({f"model.params.{key}": str(value).lower() if isinstance(value, bool) else value
                      for key, value in MODEL.items()})
-    if schedule == "interleaved_1f1b":
+    if schedule in MULTI:
         settings["parallel.stages_per_rank"] = 2
     cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={P}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "polytrain.cli", "train", "--quiet", "--timeline", str(trace)]
@@ -85,7 +88,8 @@ def analyse(trace: dict[str, Any], warmup: int) -> dict[str, Any]:
     ranks = sorted({e["pid"] for e in events})
     windows = {(e["pid"], e["args"]["step"], e["args"].get("micro", 0)): (e["ts"], e["ts"] + e["dur"])
                for e in events if e["name"] == "micro-step"}
-    stage_events = [e for e in events if e["cat"] == "pipeline" and e["name"] in ("forward", "backward")]
+    stage_events = [e for e in events if e["cat"] == "pipeline"
+                    and e["name"] in ("forward", "backward", "backward (weights)")]
     keys = sorted({(step, micro) for _, step, micro in windows if step > warmup})
     if not keys:
         raise SystemExit("pipeline_bubble.py: no steps after the warm-up in the trace; raise --steps")
@@ -111,24 +115,35 @@ def analyse(trace: dict[str, Any], warmup: int) -> dict[str, Any]:
 
     return {"idle": {r: statistics.fmean(v) for r, v in idle.items()}, "span_ms": statistics.fmean(spans) / 1e3,
             "steps": len(steps), "fwd_ms": {r: mean_ms(r, "forward") for r in ranks},
-            "bwd_ms": {r: mean_ms(r, "backward") for r in ranks}}
+            "bwd_ms": {r: mean_ms(r, "backward") for r in ranks},
+            "wgt_ms": {r: mean_ms(r, "backward (weights)") for r in ranks}}
 
 
 def theory(schedule: str, m: int) -> float:
-    chunks = 2 if schedule == "interleaved_1f1b" else 1
-    return (P - 1) / (chunks * m + P - 1)
+    """The idle fraction each schedule's paper gives, with a forward, an input-gradient and a weight-gradient pass
+    of equal time (a full backward is two of them) and free communication: 1F1B and GPipe (P−1)/(M+P−1);
+    interleaved 1F1B with V chunks (P−1)/(V·M+P−1); zero-bubble ZB-H1 leaves (P−1)(F+B−W) of 1F1B's (P−1)(F+B+W)
+    idle, a third, and interleaved over V chunks (P−1)/(3·V·M+P−1); ZB-V and DualPipeV fill the rest with the
+    weight passes: (P−1)(F+B−2W) = 0 and (P/2−1)(F&B+B−3W) = 0."""
+    if schedule in ("zbv", "dualpipev"):
+        return 0.0
+    chunks = 2 if schedule in MULTI else 1
+    passes = 3 if schedule == "interleaved_zero_bubble" else 1
+    return (P - 1) / (passes * chunks * m + P - 1)
 
 
 def line(schedule: str, m: int, result: dict[str, Any]) -> str:
-    label = "rank" if schedule == "interleaved_1f1b" else "stage"
+    label = "rank" if schedule in MULTI else "stage"
     idle = result["idle"]
     stages = ", ".join(f"{label} {r} idle {v:.2f}" for r, v in idle.items())
-    expected = theory(schedule, m)
-    ratio = statistics.fmean(idle.values()) / expected
+    expected, mean = theory(schedule, m), statistics.fmean(idle.values())
+    ratio = f"ratio {mean / expected:.2f}" if expected else f"excess {mean - expected:+.2f}"
     fwd = "/".join(f"{v:.1f}" for v in result["fwd_ms"].values())
     bwd = "/".join(f"{v:.1f}" for v in result["bwd_ms"].values())
-    return (f"{schedule} M={m}: {stages} | theory {expected:.2f} | ratio {ratio:.2f}   "
-            f"(step {result['span_ms']:.0f} ms, {result['steps']} steps; fwd {fwd} ms, bwd {bwd} ms per stage)")
+    weights = "/".join(f"{v:.1f}" for v in result["wgt_ms"].values())
+    split = f", weights {weights} ms" if schedule in ZERO_BUBBLE else ""
+    return (f"{schedule} M={m}: {stages} | theory {expected:.2f} | {ratio}   (step {result['span_ms']:.0f} ms, "
+            f"{result['steps']} steps; fwd {fwd} ms, bwd {bwd} ms{split} per {label})")
 
 
 def main() -> None:
@@ -136,10 +151,12 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
-                        choices=("gpipe", "1f1b", "interleaved_1f1b"))
+                        choices=SCHEDULES)
     parser.add_argument("--microbatches", nargs="+", type=int, default=[4, 8, 16], metavar="M")
     parser.add_argument("--interleaved", action="store_true",
                         help="also run interleaved_1f1b with stages_per_rank 2")
+    parser.add_argument("--zero-bubble", action="store_true",
+                        help="also run interleaved_zero_bubble, zbv and dualpipev (2 chunks per rank)")
     parser.add_argument("--mb-size", type=int, default=8, help="samples per pipeline micro-batch (default 8)")
     parser.add_argument("--steps", type=int, default=6, help="training steps per run, warm-up included (default 6)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out (default 2)")
@@ -147,7 +164,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mb_size < 1 or args.steps <= args.warmup or min(args.microbatches) < 1:
         parser.error("--mb-size and M must be ≥ 1 and --steps greater than --warmup")
-    schedules = list(dict.fromkeys([*args.schedules, *(["interleaved_1f1b"] if args.interleaved else [])]))
+    schedules = list(dict.fromkeys([*args.schedules, *(["interleaved_1f1b"] if args.interleaved else []),
+                                    *(ZERO_BUBBLE if args.zero_bubble else [])]))
     print(f"transformer LM {MODEL}, vocab {VOCAB}, {SEQ} tokens, {args.mb_size} samples per micro-batch, Adam, "
           f"fp32, P = {P} pipeline ranks (gloo, CPU, 1 thread each); mean over {args.steps - args.warmup} steps "
           f"after {args.warmup} warm-up")

@@ -20,7 +20,13 @@ from typing import Any
 from polytrain.errors import SpecError
 from polytrain.schema import rule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+#: schedules that run several model chunks (stages) per rank; the V-shaped ones exactly two, rank r holding
+#: stages r and 2P − 1 − r (so the first and the last stage share rank 0)
+MULTI_CHUNK = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
+#: schedules that split each backward into its input and its weight half (torch cannot compile those)
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,8 @@ class ParallelSpec:
     # into M); null: P (the least that fills the pipeline once)
     microbatches: int | None = rule(None, min=1)
     schedule: str = rule("1f1b", choices=SCHEDULES)
-    # interleaved_1f1b: model chunks (virtual stages) per rank; null: 2 for interleaved_1f1b, else 1
+    # interleaved schedules: model chunks (virtual stages) per rank; null: 2 for those (zbv and dualpipev: always
+    # 2, V-shaped), else 1
     stages_per_rank: int | None = rule(None, min=1)
     # package.module:function(model, tp_mesh) -> the parallelize_module plan {submodule name: ParallelStyle}
     # (null: the model's own — the zoo transformer has one)
@@ -52,7 +59,13 @@ class ParallelSpec:
         """Model chunks per pipeline rank (more than one only for interleaved schedules)."""
         if self.stages_per_rank is not None:
             return self.stages_per_rank
-        return 2 if self.schedule == "interleaved_1f1b" else 1
+        return 2 if self.schedule in MULTI_CHUNK else 1
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage``: round robin (stage s on s mod P), or V-shaped."""
+        if self.schedule in V_SHAPED and stage >= self.pipeline:
+            return 2 * self.pipeline - 1 - stage
+        return stage % self.pipeline
 
     @property
     def n_microbatches(self) -> int:
@@ -85,11 +98,21 @@ def check_spec(parallel: ParallelSpec, *, framework: str, backend: str, data_bac
     if backend not in (*data_backends, "auto"):
         raise SpecError(f"{which}: combines with backend {' or '.join(data_backends)} (the data-parallel "
                         f"dimension), not {backend!r}")
-    if parallel.chunks > 1 and parallel.schedule != "interleaved_1f1b":
+    if parallel.chunks > 1 and parallel.schedule not in MULTI_CHUNK:
         raise SpecError(f"parallel.stages_per_rank: more than one model chunk per rank needs schedule "
-                        f"interleaved_1f1b, not {parallel.schedule!r}")
+                        f"{', '.join(MULTI_CHUNK)}, not {parallel.schedule!r}")
     if parallel.schedule == "interleaved_1f1b" and parallel.chunks < 2:
         raise SpecError("parallel.stages_per_rank: schedule interleaved_1f1b needs 2 or more chunks per rank")
+    if parallel.schedule in V_SHAPED and parallel.chunks != 2:
+        raise SpecError(f"parallel.stages_per_rank: schedule {parallel.schedule} runs exactly 2 chunks per rank "
+                        f"(V-shaped), not {parallel.chunks}")
+    if parallel.schedule in ZERO_BUBBLE and backend == "fsdp":
+        raise SpecError(f"parallel.schedule: {parallel.schedule} with backend fsdp loses weight gradients in torch's "
+                        "pipelining (its split backward runs past FSDP's gradient reduction: the last stage's come out "
+                        "empty); use backend ddp for the data dimension, or schedule interleaved_1f1b with fsdp")
+    if parallel.schedule == "dualpipev" and parallel.n_microbatches < 2 * parallel.pipeline:
+        raise SpecError(f"parallel.microbatches: schedule dualpipev needs at least as many micro-batches as stages "
+                        f"({2 * parallel.pipeline}), got {parallel.n_microbatches}")
     if parallel.pipeline > 1 and batch_size is not None and batch_size % parallel.n_microbatches:
         raise SpecError(f"parallel.microbatches: {parallel.n_microbatches} must divide data.batch_size "
                         f"{batch_size} (each micro-step's batch is split into that many pipeline micro-batches)")
@@ -164,6 +187,7 @@ class Grid:
     data: int
     tensor: int
     rank: int
+    last_stage: int | None = None  # the pipeline rank running the last stage (None: the last rank)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -184,7 +208,8 @@ class Grid:
     @property
     def reports(self) -> bool:
         """Whether this rank's loss and metric sums stand for its data shard (tensor rank 0 of the last stage)."""
-        return self.tensor_rank == 0 and self.stage == self.pipeline - 1
+        return self.tensor_rank == 0 and self.stage == (self.pipeline - 1 if self.last_stage is None
+                                                         else self.last_stage)
 
 
 def grid_for(parallel: ParallelSpec, world_size: int, rank: int) -> Grid:
@@ -197,7 +222,7 @@ def grid_for(parallel: ParallelSpec, world_size: int, rank: int) -> Grid:
     if parallel.data != "auto" and parallel.data != data:
         raise SpecError(f"parallel.data: {parallel.data} × tensor {t} × pipeline {p} must equal the world size "
                         f"{world_size} (data would be {data}); set parallel.data: auto")
-    return Grid(pipeline=p, data=data, tensor=t, rank=rank)
+    return Grid(pipeline=p, data=data, tensor=t, rank=rank, last_stage=parallel.stage_rank(p * parallel.chunks - 1))
 
 
 def balanced_boundaries(sizes: list[int], stages: int) -> tuple[int, ...]:

@@ -58,6 +58,9 @@ def check(spec: TrainSpec, *, validate_components: bool = True) -> None:
     layout.check_spec(spec.parallel, framework=spec.framework, backend=spec.backend,
                       data_backends=registry.layout_backends(spec.framework),
                       batch_size=None if spec.data.global_batch_size else spec.data.batch_size)
+    if spec.compile.enabled and spec.parallel.pipeline > 1 and spec.parallel.schedule in layout.ZERO_BUBBLE:
+        raise SpecError(f"compile.enabled: schedule {spec.parallel.schedule} splits each backward into its input and "
+                        "weight halves, which torch.compile cannot run; use schedule interleaved_1f1b or compile off")
     if spec.parallel.model_parallel:
         layout.check_model(spec.parallel, spec.model.name, spec.model.params)
     if validate_components:

@@ -63,8 +63,17 @@ def test_balanced_boundaries_follow_parameter_counts() -> None:
     ({"pipeline": 2, "stage_boundaries": [1, 2]}, {}, "parallel.stage_boundaries: 2 stages need 1 boundaries"),
     ({"pipeline": 2, "stage_boundaries": [0]}, {}, "parallel.stage_boundaries: must increase and start above 0"),
     ({"pipeline": 2, "stages_per_rank": 2}, {}, "parallel.stages_per_rank: more than one model chunk per rank "
-                                                "needs schedule interleaved_1f1b"),
+                                                "needs schedule interleaved_1f1b, "),
     ({"data": "most"}, {}, "parallel.data: expected auto or a positive integer"),
+    # issue 32 item 2: the zero-bubble family
+    ({"pipeline": 2, "schedule": "zbv", "stages_per_rank": 3}, {}, "parallel.stages_per_rank: schedule zbv runs "
+                                                                   "exactly 2 chunks per rank (V-shaped), not 3"),
+    ({"pipeline": 2, "schedule": "dualpipev", "microbatches": 2}, {}, "parallel.microbatches: schedule dualpipev "
+                                                                      "needs at least as many micro-batches as stages (4)"),
+    ({"pipeline": 2, "schedule": "interleaved_zero_bubble"}, {"backend": "fsdp"},
+     "parallel.schedule: interleaved_zero_bubble with backend fsdp loses weight gradients"),
+    ({"pipeline": 2, "schedule": "zbv"}, {"compile": {"enabled": True}},
+     "compile.enabled: schedule zbv splits each backward into its input and weight halves"),
     # issue 26 item 7: a zoo model's blocks and plan are known from its parameters, before anything starts
     ({"pipeline": 4}, {}, "parallel.pipeline: 4 stages need at least 4 blocks; the model declares 2 "
                           "(model.params.n_layers)"),

@@ -32,13 +32,14 @@ def stage_blocks(census: Census, pipeline: int, chunks: int = 1,
 
 def stage_params(census: Census, tensor: int, blocks: range, first: bool, last: bool) -> list[Param]:
     """The (tensor rank 0) parameters of the stage holding ``blocks``: the modules ``embed`` uses go with the first
-    stage, every other module outside the blocks with the last (`polytrain.adapters.torch.parallel.pipeline.cut`)."""
+    stage, every other module outside the blocks with the last (`polytrain.adapters.torch.parallel.pipeline.cut`),
+    which also holds its copy of a tied weight where it is not the first."""
     out = []
     for p in census.local_params[tensor]:
         if p.block is not None:
             keep = p.block in blocks
         else:
-            keep = first if p.name in census.embed else last
+            keep = (first or (last and p.name in census.tied)) if p.name in census.embed else last
         if keep:
             out.append(p)
     return out

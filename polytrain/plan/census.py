@@ -104,6 +104,7 @@ class Census:
     params: tuple[Param, ...]
     n_blocks: int
     embed: frozenset[str]  # names of the parameters of the modules ``embed`` uses (a pipeline's first stage)
+    tied: frozenset[str]  # those of them the last stage holds a copy of under pipeline parallel (a tied head)
     buffer_bytes: int
     sample_bytes: tuple[int, int]  # one sample's input and target, as the model gets them
     traces: dict[int, Trace]  # tensor degree → trace (1: the whole model)
@@ -349,13 +350,19 @@ def _split_model(spec: TrainSpec, info: Any, degree: int, mesh: Any) -> Any:
     return model
 
 
-def _embed_names(model: Any, info: Any) -> frozenset[str]:
+def _embed_names(model: Any, info: Any, spec: TrainSpec) -> tuple[frozenset[str], frozenset[str]]:
+    """The first stage's parameters, and those of them the last stage holds a copy of (a tied head)."""
     if not (callable(getattr(model, "embed", None)) and callable(getattr(model, "finish", None))):
-        return frozenset()
-    from polytrain.adapters.torch.parallel.pipeline import embed_modules, example_input
+        return frozenset(), frozenset()
+    from polytrain.adapters.torch.parallel.pipeline import embed_modules, example_input, tied_weights
 
-    used = embed_modules(model, example_input(info))
-    return frozenset(f"{name}.{p}" for name in used for p, _ in getattr(model, name).named_parameters())
+    example = example_input(info)
+    used = embed_modules(model, example)
+    try:
+        tied = frozenset(tied_weights(model, example, spec).values())
+    except SpecError:  # no blocks to cut into stages: no pipeline rows
+        tied = frozenset()
+    return frozenset(f"{name}.{p}" for name in used for p, _ in getattr(model, name).named_parameters()), tied
 
 
 def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None = None) -> Census:
@@ -383,7 +390,7 @@ def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None 
         blocks = _blocks(model, spec)
         params = _params(model, blocks)
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        embed = _embed_names(model, info)
+        embed, tied = _embed_names(model, info, spec)
         sample = tuple(t.numel() * t.element_size() for t in _example(info, 1))
         traces[1], local[1] = _trace(spec, info, model, blocks, backward=False), params
     for degree in degrees:
@@ -392,7 +399,7 @@ def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None 
             split_blocks = _blocks(split, spec)
             traces[degree] = _trace(spec, info, split, split_blocks, backward=True)
             local[degree] = _params(split, split_blocks)  # after the traced backward: gradients' layouts known
-    return Census(model=spec.model.name, params=params, n_blocks=len(blocks), embed=embed,
+    return Census(model=spec.model.name, params=params, n_blocks=len(blocks), embed=embed, tied=tied,
                   buffer_bytes=buffers, sample_bytes=sample, traces=traces, local_params=local,
                   tensor_degrees=(1, *degrees))
 

@@ -215,6 +215,9 @@ def predict_comms(census: Census, layout: Layout, precision: Precision, *, batch
             sent = (0.0 if last else boundary[blocks[-1]].at(batch / m)) + \
                 (0.0 if first else boundary[blocks[0] - 1].at(batch / m))
             traffic.add("p2p", accum * m * sent, 2, d * t * p > per_node)
+            if (first or last) and census.tied:  # the two copies of a tied weight: their gradients summed
+                traffic.add("allreduce", 4 * sum(q.grad_elements for q in params if q.name in census.tied), 2,
+                            d * t * p > per_node)
         if best is None or traffic.wire() > best.wire():
             best = traffic
     assert best is not None

@@ -55,7 +55,8 @@ class ParallelBackend(TorchBackend):
         self.data_shard = DataShard(self.grid.data, self.grid.data_rank, self.grid.reports)
         self.pipeline: Any = None
         self.head_major: dict[str, int] = {}
-        #: a tied weight split over two pipeline ranks: {last-stage name: first-stage name} (`pipeline.tied_weights`)
+        #: a tied weight of the first and the last stage, held as two copies: {last-stage name: first-stage name}
+        #: (`pipeline.tied_weights`); their gradients summed over ``_tied_group`` (None: both copies on this rank)
         self.tied: dict[str, str] = {}
         self._tied_params: list[nn.Parameter] = []
         self._copies: set[int] = set()
@@ -117,8 +118,7 @@ class ParallelBackend(TorchBackend):
 
             assert example is not None
             total = parallel.pipeline * parallel.chunks
-            if (total - 1) % parallel.pipeline != 0:  # the first and the last stage on two ranks
-                self._split_tied(model, example)
+            self._split_tied(model, example, parallel.stage_rank(total - 1) != parallel.stage_rank(0))
             placed = cut(self.spec, model, example, self.grid.stage)
             stages = [module for _, module in placed]
             self.pipeline = PipelineRunner(placed, total, parallel.schedule, parallel.n_microbatches, self.device,
@@ -131,12 +131,20 @@ class ParallelBackend(TorchBackend):
         self._copies = {id(held[copy]) for copy in self.tied if copy in held}  # counted once in the norm
         return model, _rebuilt_optimizer(optimizer, names, model)
 
-    def _split_tied(self, model: nn.Module, example: torch.Tensor) -> None:
+    def _split_tied(self, model: nn.Module, example: torch.Tensor, two_ranks: bool) -> None:
+        """Two copies of each tied weight: one per rank where the first and last stage are on two (the cut leaves
+        each its own), both on one rank otherwise (V-shaped schedules: the copy made here, so that each stage's
+        FSDP unit owns its parameters)."""
         from polytrain.adapters.torch.parallel.pipeline import tied_weights
 
         self.tied = tied_weights(model, example, self.spec)
-        if self.tied:
+        if self.tied and two_ranks:
             self._tied_group = layout_state.tied_group(self.mesh, self.pp_group)
+        elif self.tied:
+            for copy in self.tied:
+                owner, _, leaf = copy.rpartition(".")
+                module = model.get_submodule(owner)
+                setattr(module, leaf, nn.Parameter(getattr(module, leaf).detach().clone()))
 
     def _sum_tied(self) -> None:
         """The step's gradient of each tied weight: the sum of its two copies' (first and last stage)."""
@@ -249,12 +257,12 @@ def _rebuilt_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, lis
                        model: nn.Module) -> torch.optim.Optimizer:
     """`backend.rebuilt_optimizer` for a layout: the parameters another pipeline stage holds (gone from this
     rank's pruned model) are left out of their groups; every group stays, so group indices keep their meaning. A
-    tied weight is found under whichever of its names this rank still holds."""
+    tied weight is found under each of its names this rank still holds (two copies, or one)."""
     now = dict(model.named_parameters())
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [now[held[0]] for p in group["params"]
-                          for held in [[n for n in names.get(id(p), []) if n in now]] if held]}
-              for group in optimizer.param_groups]
+    groups = []
+    for group in optimizer.param_groups:
+        found = {id(now[n]): now[n] for p in group["params"] for n in names.get(id(p), []) if n in now}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(found.values())})
     return type(optimizer)(groups)
 
 

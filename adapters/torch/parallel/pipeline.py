@@ -7,7 +7,8 @@ block — and ``finish(h)`` — everything after the last — so that ``forward(
 The modules ``embed`` uses (found by running it once on an example input) go to the first stage, every other
 module outside the blocks to the last. Stages hold consecutive blocks, balanced by parameter count or cut at
 ``parallel.stage_boundaries``. With ``stages_per_rank`` (interleaved schedules) there are ``P × V`` stages and
-stage ``s`` runs on pipeline rank ``s mod P``. A weight shared by the first and the last stage (a tied input
+stage ``s`` runs on pipeline rank ``s mod P``; the V-shaped schedules (``zbv``, ``dualpipev``) put stages ``r``
+and ``2P − 1 − r`` on rank ``r`` (`ParallelSpec.stage_rank`). A weight shared by the first and the last stage (a tied input
 embedding and output head) is held by both ranks, each a copy, their gradients summed every step
 (`tied_weights`; the backend's ``sum_tied_gradients``).
 
@@ -129,7 +130,7 @@ def cut(spec: TrainSpec, model: nn.Module, example: torch.Tensor, pp_rank: int) 
                         f"({', '.join(model._parameters)}); keep them in submodules so a stage can own them")
     ranges = stage_ranges(spec, model, paths, first)
     total = len(ranges)
-    mine = [s for s in range(total) if s % parallel.pipeline == pp_rank]
+    mine = [s for s in range(total) if parallel.stage_rank(s) == pp_rank]
     stages = [(s, StageModule(model, [paths[i] for i in ranges[s]], s == 0, s == total - 1,
                               (sorted(first) if s == 0 else []) + (last if s == total - 1 else [])))
               for s in mine]

@@ -18,15 +18,42 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+    _Action,
+    _ComputationType,
 )
 
 from polytrain.adapters.torch.parallel.pipeline import StageModule
+from polytrain.layout import MULTI_CHUNK, V_SHAPED
 from polytrain.timeline import PIPELINE, PIPELINE_IDLE, Timeline
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
+
+
+def least_microbatches(kind: str, pipeline: int) -> int:
+    """The fewest micro-batches a schedule runs its steady state with; a batch cut into fewer (an epoch's smaller
+    last step) runs all forwards, then all backwards, instead."""
+    return {"gpipe": 1, "zbv": 2 * pipeline - 1, "dualpipev": 2 * pipeline}.get(kind, pipeline)
+
+
+class ScheduleVLoopedBFS(ScheduleLoopedBFS):
+    """Looped BFS over V-shaped stages (rank r runs stages r and 2P − 1 − r): every forward of the rank's first
+    stage, then of its second, then the backwards in reverse — for forward-only passes and for batches too small
+    for ZBV or DualPipeV. torch takes the stage-to-rank map from these actions."""
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[_Action | None]:
+        stages = (rank, 2 * self.pp_group_size - 1 - rank)
+        ops: list[_Action | None] = [_Action(stage, _ComputationType.FORWARD, mb)
+                                     for stage in stages for mb in range(self._n_microbatches)]
+        return ops + [_Action(stage, _ComputationType.FULL_BACKWARD, mb)
+                      for stage in reversed(stages) for mb in reversed(range(self._n_microbatches))]
 
 
 def microbatch_count(samples: int, most: int) -> int:
@@ -62,8 +89,22 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if not self._train:  # a forward-only schedule still calls it (and it returns at once): no span
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        # a zero-bubble schedule's input half (full_backward=False); its weight half is the next method
         return self._timed("backward", bwd_chunk_id, lambda: super(TimedStage, self).backward_one_chunk(
             bwd_chunk_id, *args, **kwargs))
+
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        # forward only, a V-shaped layout's two stages on one rank: the runtime still hands a backward's output
+        # from one to the other, and there is none
+        return super().get_local_bwd_output(mb_index) if self._train else None
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self._train:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        return self._timed("backward (weights)", bwd_chunk_id, lambda: super(
+            TimedStage, self).backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs))
 
 
 class PipelineRunner:
@@ -87,11 +128,13 @@ class PipelineRunner:
                                 timeline=self.timeline, spans=self._spans, train=train)
                      for index, module in self.stages]
             loss = self._scaled_loss if train else None
-            looped = self.kind == "interleaved_1f1b"
+            looped = self.kind in MULTI_CHUNK
             cls = SCHEDULES[self.kind]
-            # forward only, or fewer micro-batches than 1F1B needs (one per rank): all forwards, then backwards
-            if not train or (self.kind != "gpipe" and chunks < self.total // len(self.stages)):
-                cls = ScheduleLoopedBFS if looped else ScheduleGPipe
+            pipeline = self.total // len(self.stages)
+            # forward only, or fewer micro-batches than the schedule needs: all forwards, then backwards
+            if not train or chunks < least_microbatches(self.kind, pipeline) or (
+                    self.kind == "interleaved_zero_bubble" and chunks % max(1, chunks // pipeline)):
+                cls = ScheduleVLoopedBFS if self.kind in V_SHAPED else ScheduleLoopedBFS if looped else ScheduleGPipe
             target = pipes if looped else pipes[0]
             self._schedules[key] = cls(target, n_microbatches=chunks, loss_fn=loss, scale_grads=False)
         return self._schedules[key]

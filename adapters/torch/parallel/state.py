@@ -58,26 +58,35 @@ def tied_group(mesh: Any, pp_group: Any | None) -> Any:
     return mine
 
 
-def sum_tied_gradients(params: list[nn.Parameter], group: Any) -> int:
-    """Add up the gradients of a tied weight's two copies (first and last stage; ``params`` in one order on both,
-    DTensor shards as they are) in one flat all-reduce over ``group``: each copy then holds the gradient the one
-    shared weight of the whole model gets. Returns the bytes reduced."""
+def sum_tied_gradients(params: list[nn.Parameter], group: Any | None) -> int:
+    """Add up the gradients of each tied weight's two copies (first and last stage), so that each holds the
+    gradient the one shared weight of the whole model gets: in one flat all-reduce over ``group`` where the copies
+    are on two ranks (``params`` in one order on both), or here where ``params`` pairs them (copy, first-stage
+    weight, ...) and ``group`` is None. DTensor shards as they are. Returns the bytes reduced."""
     for param in params:  # an embedding's gradient may come out of tensor parallel replicated: shard it as its weight
         if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
     grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in params]
+    if group is None:
+        sums = [a + b for a, b in zip(grads[::2], grads[1::2])]
+        for param, value in zip(params, [s for s in sums for _ in (0, 1)]):
+            _set_grad(param, value)
+        return 0
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
     for param, grad in zip(params, grads):
-        value = flat[offset:offset + grad.numel()].view_as(grad)
+        _set_grad(param, flat[offset:offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-        if param.grad is None:
-            param.grad = DTensor.from_local(value.clone(), param.device_mesh, param.placements) \
-                if isinstance(param, DTensor) else value.clone()
-        else:
-            grad.copy_(value)
     return flat.numel() * flat.element_size()
+
+
+def _set_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = DTensor.from_local(value.clone(), param.device_mesh, param.placements) \
+            if isinstance(param, DTensor) else value.clone()
+    else:
+        local(param.grad).copy_(value)
 
 
 def global_grad_norm(params: Iterable[nn.Parameter], pp_group: Any | None,
