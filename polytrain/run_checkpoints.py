@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -319,15 +320,17 @@ class RunCheckpoints:
     def save_model(self, result: TrainResult) -> dict[str, Any]:
         """Write the final model (rank 0); returns its full state, which every rank has."""
         state = self.framework.export_state()  # collective on sharded backends: every rank calls it
-        digests = self.backend.all_gather_object(ckpt.state_digest(state))
-        settled(self.backend, self.world.size, lambda: self._write_model(result, state, digests)
+        ranks = self.backend.all_gather_object((ckpt.state_digest(state), peak_memory()))
+        settled(self.backend, self.world.size, lambda: self._write_model(result, state, ranks)
                 if self.world.rank == 0 else None)
         return state
 
-    def _write_model(self, result: TrainResult, state: dict[str, Any], digests: list[str]) -> None:
+    def _write_model(self, result: TrainResult, state: dict[str, Any], ranks: list[tuple[str, dict]]) -> None:
         manifest = {**self._describe(), "global_step": result.global_step, "epochs": result.epochs_done,
                     "val_accuracy": result.val_accuracy,
-                    "val_loss": None if math.isnan(result.val_loss) else result.val_loss, "rank_state_digests": digests}
+                    "val_loss": None if math.isnan(result.val_loss) else result.val_loss,
+                    "rank_state_digests": [digest for digest, _ in ranks],
+                    "rank_peak_memory": [peak for _, peak in ranks]}
         try:
             ckpt.write_model(Path(self.spec.output), state, manifest)
         except OSError as exc:
@@ -338,3 +341,16 @@ class RunCheckpoints:
         elif not math.isnan(result.val_loss):
             self.progress.line(f"validation loss: {result.val_loss:.6f}")
         self.progress.line(f"model saved to {Path(self.spec.output) / 'model.safetensors'}")
+
+
+def peak_memory() -> dict[str, int | None]:
+    """This process's peak memory so far, in bytes: its resident set (``host``), and what PyTorch allocated on its
+    accelerator (``device``; None without one). The final model.json records it per rank, so that a layout's memory
+    is there to compare from run to run."""
+    import resource
+
+    device = None
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = int(torch.cuda.max_memory_allocated())
+    return {"host": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "device": device}

@@ -57,6 +57,9 @@ def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = Non
     state, manifest = read_model(out)
     assert manifest["world_size"] == nproc
     assert len(set(manifest["rank_state_digests"])) == 1, manifest["rank_state_digests"]  # every rank: one model
+    peaks = [rank["host"] for rank in manifest["rank_peak_memory"]]  # each rank's, for a regression to show
+    assert len(peaks) == nproc and min(peaks) > 0
+    print(f"\n{' '.join(changes)} × {nproc}: peak resident MiB per rank {[round(p / 2**20) for p in peaks]}")
     return losses, state, manifest
 
 

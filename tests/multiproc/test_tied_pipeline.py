@@ -5,7 +5,9 @@ The first stage holds the embedding, the last stage a copy of it as the head; th
 summed every step, so both take the one weight's update. The job is test_model_parallel's parity job (SGD with
 momentum, clipping that bites — a tied gradient counted twice in the norm would show —, 2 micro-steps of
 accumulation, 22 steps, a checkpoint at step 11) on the tied LM. Each layout matches one process within 1e-5:
-P=2, P=4 (the two copies' ranks in a group of their own) and P=2 × T=2 straight through; P=2 × D=2 with FSDP as the data dimension resumed from the one-process
+P=2, P=4 (the two copies' ranks in a group of their own), P=2 × T=2, the zero-bubble schedules and the full grid
+P=2 × T=2 × D=2 over FSDP at 8 ranks (item 4) straight through; the grid's checkpoint resumed by one process and
+at D=4; P=2 × D=2 with FSDP as the data dimension resumed from the one-process
 checkpoint; one process resumed from the P=2 checkpoint. The P=2 checkpoint is the one process's in form: the same names, the embedding and the head equal
 to the bit, the optimizer state once, under the embedding's name.
 """
@@ -38,6 +40,7 @@ SCHEDULES = {name: ["backend=ddp", "parallel.pipeline=2", f"parallel.schedule={s
              for name, schedule, m in (("interleaved_zero_bubble", "interleaved_zero_bubble", 4), ("zbv", "zbv", 4),
                                        ("dualpipev", "dualpipev", 4), ("zbv-fallback", "zbv", 2))}
 P2D2_FSDP = ["backend=fsdp", "parallel.pipeline=2"]
+GRID = ["backend=fsdp", "parallel.pipeline=2", "parallel.tensor=2"]  # at 8 ranks: data 2
 
 
 def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict]:
@@ -46,6 +49,9 @@ def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = Non
     state, manifest = read_model(out)
     assert manifest["world_size"] == nproc
     assert len(set(manifest["rank_state_digests"])) == 1, manifest["rank_state_digests"]
+    peaks = [rank["host"] for rank in manifest["rank_peak_memory"]]  # each rank's, for a regression to show
+    assert len(peaks) == nproc and min(peaks) > 0
+    print(f"\n{' '.join(changes)} × {nproc}: peak resident MiB per rank {[round(p / 2**20) for p in peaks]}")
     return step_losses(out), state
 
 
@@ -69,7 +75,7 @@ def optimizer_file(out: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray, dict]]:
     done = {}
-    for name, nproc, changes in (("one", 1, ["backend=ddp"]), ("p2", 2, P2), ("p2t2", 4, P2T2), ("p4", 4, P4),
+    for name, nproc, changes in (("one", 1, ["backend=ddp"]), ("p2", 2, P2), ("p2t2", 4, P2T2), ("p4", 4, P4), ("grid", 8, GRID),
                                   *((name, 2, sets) for name, sets in SCHEDULES.items())):
         out = tmp_path_factory.mktemp(name)
         done[name] = (out, *trained(out, nproc, changes))
@@ -91,8 +97,8 @@ def test_a_tied_model_trains_at_pipeline2_like_one_process(runs: dict) -> None:
     assert not any(key.startswith("head.weight/") for key in optimizer_file(out))
 
 
-@pytest.mark.parametrize("layout", ["p2t2", "p4", *SCHEDULES])
-def test_a_tied_model_trains_at_pipeline2_tensor2_pipeline4_and_zero_bubble_like_one_process(layout: str, runs: dict) -> None:
+@pytest.mark.parametrize("layout", ["p2t2", "p4", "grid", *SCHEDULES])
+def test_a_tied_model_trains_in_each_layout_like_one_process(layout: str, runs: dict) -> None:
     _, ref_losses, ref_state = runs["one"]
     _, losses, state = runs[layout]
     loss_rel, weight_rel = within(losses, state, ref_losses, ref_state)
@@ -113,5 +119,15 @@ def test_the_pipeline2_checkpoint_resumes_tied_on_one_process(runs: dict, tmp_pa
     _, ref_losses, ref_state = runs["one"]
     source = runs["p2"][0]
     losses, state = trained(tmp_path, 1, ["backend=ddp"], resume=saved(source))
+    loss_rel, weight_rel = within(losses, state, ref_losses[SAVED:], ref_state)
+    assert loss_rel < 1e-5 and weight_rel < 1e-5
+
+
+@pytest.mark.parametrize(("nproc", "changes"), [(1, ["backend=ddp"]), (4, ["backend=fsdp"])], ids=["one", "fsdp-d4"])
+def test_the_full_grid_checkpoint_resumes_on_one_process_and_at_d4(nproc: int, changes: list[str], runs: dict,
+                                                                   tmp_path: Path) -> None:
+    _, ref_losses, ref_state = runs["one"]
+    losses, state = trained(tmp_path, nproc, changes, resume=saved(runs["grid"][0]))
+    assert len(losses) == STEPS - SAVED
     loss_rel, weight_rel = within(losses, state, ref_losses[SAVED:], ref_state)
     assert loss_rel < 1e-5 and weight_rel < 1e-5
