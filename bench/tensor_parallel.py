@@ -143,14 +143,16 @@ def main() -> None:
             tp_s.append(max(r["step_s"] for r in ranks))
     print(f"transformer LM {LM}, vocab {VOCAB}, {SEQ} tokens, {BATCH} sequences/step, Adam, fp32; "
           f"Ψ = {one['numel']:,} parameters; gloo, CPU, 1 thread per process")
-    print(f"{'layout':14} {'params MiB':>10} {'adam MiB':>9} {'params ratio':>12} {'adam ratio':>10}")
-    print(f"{'1 process':14} {one['params'] / mib:10.2f} {one['state'] / mib:9.2f}")
-    for rank, r in enumerate(ranks):
-        print(f"{f'T={t} rank {rank}':14} {r['params'] / mib:10.2f} {r['state'] / mib:9.2f} "
-              f"{r['params'] / one['params']:12.3f} {r['state'] / one['state']:10.3f}")
     whole = ranks[0]["whole"]
     kept = sum(whole.values())
     expected = (kept + (one["numel"] - kept) / t) / one["numel"]
+    print(f"{'layout':14} {'params MiB':>10} {'adam MiB':>9} {'params ratio':>12} {'adam ratio':>10} "
+          f"{'theory':>7} {'vs theory':>9}")
+    print(f"{'1 process':14} {one['params'] / mib:10.2f} {one['state'] / mib:9.2f}")
+    for rank, r in enumerate(ranks):
+        print(f"{f'T={t} rank {rank}':14} {r['params'] / mib:10.2f} {r['state'] / mib:9.2f} "
+              f"{r['params'] / one['params']:12.3f} {r['state'] / one['state']:10.3f} {expected:7.3f} "
+              f"{(r['params'] + r['state']) / (one['params'] + one['state']) / expected:9.3f}")
     worst = max(r["params"] + r["state"] for r in ranks) / (one["params"] + one["state"])
     verdict = "within" if abs(worst * t - 1) <= 0.10 else "NOT within"
     print(f"params + Adam state, larger rank / 1 process: {worst:.3f} (1/T = {1 / t:.3f}: {verdict} 10 %; "
@@ -161,7 +163,7 @@ def main() -> None:
     rounds = ", ".join(f"{a * 1e3:.0f}/{b * 1e3:.0f}" for a, b in zip(one_s, tp_s))
     print(f"step time (per run: median of {args.steps} after {args.warmup} warm-up, slower rank; median of "
           f"{args.rounds} alternated runs): 1 process {single * 1e3:.1f} ms, T={t} {split * 1e3:.1f} ms, speed-up "
-          f"{single / split:.2f}× (ideal {t}×); rounds (1 process/T={t} ms): {rounds}")
+          f"{single / split:.2f}× (ideal {t}×: {single / split / t:.2f} of it); rounds (1 process/T={t} ms): {rounds}")
 
 
 if __name__ == "__main__":
