@@ -1,7 +1,8 @@
 """A profiled and tracked 2-rank job (issue 31): DDP or FSDP under torchrun, MPI under mpirun. Each profiled rank
 writes its own torch.profiler trace, whose profiled steps hold the backend's gradient collective (DDP's
 all-reduce, FSDP's reduce-scatter, over gloo; MPI's through the merged timeline) beside the forward, backward and
-optimizer operators; and only rank 0 logs to the tracker (one MLflow run, whose losses are metrics.jsonl's)."""
+optimizer operators; and only rank 0 logs to the tracker (one MLflow run, whose losses are metrics.jsonl's).
+DeepSpeed ZeRO-2 and the tensor- and pipeline-parallel layouts: the same, with their own collectives."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from procs import check, read_metrics, train
+from specs import as_sets, lm
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -45,3 +47,33 @@ def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_
     assert run.data.tags["polytrain.world_size"] == "2" and run.data.tags["polytrain.backend"] == backend
     logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     assert logged == {r["step"]: r["loss"] for r in read_metrics(out, "step")} and sorted(logged) == [1, 2, 3, 4]
+
+
+#: the layouts issue 31 names beyond the data-parallel backends: DeepSpeed ZeRO-2 (its gradient reduction and the
+#: all-gather of the updated partitions, over gloo), tensor parallel (DTensor's all-reduce of a row-parallel output,
+#: the gathered logits) and pipeline parallel (the stages' send/recv)
+LAYOUTS = {
+    "deepspeed": (["backend=deepspeed", "deepspeed.stage=2"], {"c10d::allreduce_", "c10d::_allgather_base_"}),
+    "tensor2": (["backend=ddp", "parallel.tensor=2", *as_sets(lm(n_layers=2, tie_weights=False))],
+                {"c10d::allreduce_", "c10d::allgather_into_tensor_coalesced_"}),
+    "pipeline2": (["backend=ddp", "parallel.pipeline=2", *as_sets(lm(n_layers=2, tie_weights=False))],
+                  {"c10d::send", "c10d::recv_"}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(tmp_path: Path, layout: str) -> None:
+    sets, collectives = LAYOUTS[layout]
+    if layout == "deepspeed":
+        pytest.importorskip("deepspeed")
+    out = tmp_path / "out"
+    check(train(out, [*sets, "loop.max_steps=4", "profile.steps=[2,3]", "profile.ranks=[0,1]"], nproc=2))
+    for rank in (0, 1):
+        events = [e for e in json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
+                  if e.get("ph") == "X"]
+        markers = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+        assert [m["name"] for m in markers] == ["ProfilerStep#2", "ProfilerStep#3"]
+        for marker in markers:
+            inside = {e["name"] for e in events if marker["ts"] <= e["ts"] <= marker["ts"] + marker["dur"]}
+            assert {*collectives, "aten::linear"} <= inside, (rank, sorted(n for n in inside if n.startswith("c10d")))
+            assert any(name.startswith("Optimizer.step#") for name in inside), rank
