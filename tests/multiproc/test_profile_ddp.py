@@ -2,7 +2,8 @@
 writes its own torch.profiler trace, whose profiled steps hold the backend's gradient collective (DDP's
 all-reduce, FSDP's reduce-scatter, over gloo; MPI's through the merged timeline) beside the forward, backward and
 optimizer operators; and only rank 0 logs to the tracker (one MLflow run, whose losses are metrics.jsonl's).
-DeepSpeed ZeRO-2 and the tensor- and pipeline-parallel layouts: the same, with their own collectives."""
+DeepSpeed ZeRO-2 and the tensor- and pipeline-parallel layouts: the same, with their own collectives; TensorFlow's
+profiler on 2 tf-multiworker ranks, with the strategy's CollectiveReduceV2."""
 
 from __future__ import annotations
 
@@ -77,3 +78,26 @@ def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(
             inside = {e["name"] for e in events if marker["ts"] <= e["ts"] <= marker["ts"] + marker["dur"]}
             assert {*collectives, "aten::linear"} <= inside, (rank, sorted(n for n in inside if n.startswith("c10d")))
             assert any(name.startswith("Optimizer.step#") for name in inside), rank
+
+
+def test_tf_multiworker_ranks_are_profiled_with_their_collectives(tmp_path: Path) -> None:
+    """TensorFlow's profiler on a backend other than local: 2 tf-multiworker ranks under mpirun, each profiled
+    rank's XSpace holding the chosen steps and the strategy's cross-replica all-reduce."""
+    pytest.importorskip("tensorflow")
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    out = tmp_path / "out"
+    check(train(out, ["framework=tensorflow", "backend=tf-multiworker", "loop.max_steps=4", "profile.steps=[2,3]",
+                      "profile.ranks=[0,1]"], nproc=2, launcher="mpirun", timeout=400))
+    for rank in (0, 1):
+        (space_file,) = (out / "profile" / f"rank{rank}" / "plugins" / "profile").glob("*/*.xplane.pb")
+        space = xplane_pb2.XSpace()
+        space.ParseFromString(space_file.read_bytes())
+        (host,) = [plane for plane in space.planes if plane.name == "/host:CPU"]
+        names = {k: v.name for k, v in host.event_metadata.items()}
+        stat_names = {k: v.name for k, v in host.stat_metadata.items()}
+        steps = sorted({s.int64_value for line in host.lines for e in line.events if names[e.metadata_id] == "train"
+                        for s in e.stats if stat_names[s.metadata_id] == "step_num"})
+        assert steps == [2, 3], rank
+        ops = {names[e.metadata_id] for line in host.lines for e in line.events}
+        assert any("CollectiveReduce" in op for op in ops), (rank, sorted(ops)[:80])
