@@ -2,7 +2,7 @@
 writes its own torch.profiler trace, whose profiled steps hold the backend's gradient collective (DDP's
 all-reduce, FSDP's reduce-scatter, over gloo; MPI's through the merged timeline) beside the forward, backward and
 optimizer operators; and only rank 0 logs to the tracker (one MLflow run, whose losses are metrics.jsonl's).
-DeepSpeed ZeRO-2 and the tensor- and pipeline-parallel layouts: the same, with their own collectives; TensorFlow's
+DeepSpeed ZeRO-2, Horovod and the tensor- and pipeline-parallel layouts: the same, with their own collectives; TensorFlow's
 profiler on 2 tf-multiworker ranks, with the strategy's CollectiveReduceV2."""
 
 from __future__ import annotations
@@ -59,16 +59,19 @@ LAYOUTS = {
                 {"c10d::allreduce_", "c10d::allgather_into_tensor_coalesced_"}),
     "pipeline2": (["backend=ddp", "parallel.pipeline=2", *as_sets(lm(n_layers=2, tie_weights=False))],
                   {"c10d::send", "c10d::recv_"}),
+    # real Horovod's ops are not c10d ops: polytrain's named range around them, under horovodrun (gloo)
+    "horovod": (["backend=horovod"], {"polytrain::horovod gradient sync"}),
 }
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(tmp_path: Path, layout: str) -> None:
     sets, collectives = LAYOUTS[layout]
-    if layout == "deepspeed":
-        pytest.importorskip("deepspeed")
+    if layout in ("deepspeed", "horovod"):
+        pytest.importorskip("deepspeed" if layout == "deepspeed" else "horovod.torch")
     out = tmp_path / "out"
-    check(train(out, [*sets, "loop.max_steps=4", "profile.steps=[2,3]", "profile.ranks=[0,1]"], nproc=2))
+    check(train(out, [*sets, "loop.max_steps=4", "profile.steps=[2,3]", "profile.ranks=[0,1]"], nproc=2,
+                launcher="horovodrun-gloo" if layout == "horovod" else None))
     for rank in (0, 1):
         events = [e for e in json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
                   if e.get("ph") == "X"]
