@@ -173,7 +173,10 @@ class TensorFlowFramework:
             activity = self.backend.activity
             if activity is not None:  # a stall then tells the ranks in the allreduce from those still computing
                 activity.phase("gradient allreduce")
-            self.backend.average_gradients(self.accumulators)
+            # a named event in TensorFlow's profiler (spec profile): the mpi and horovod backends' collectives
+            # (mpi4py, Horovod's ops run eagerly) are no TensorFlow op it would show by itself
+            with tf.profiler.experimental.Trace(f"polytrain::{self.backend.name} gradient sync"):
+                self.backend.average_gradients(self.accumulators)
         return loss
 
     def optimizer_step(self, lr: float, clip_norm: float | None) -> float | None:

@@ -83,14 +83,19 @@ def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(
             assert any(name.startswith("Optimizer.step#") for name in inside), rank
 
 
-def test_tf_multiworker_ranks_are_profiled_with_their_collectives(tmp_path: Path) -> None:
-    """TensorFlow's profiler on a backend other than local: 2 tf-multiworker ranks under mpirun, each profiled
-    rank's XSpace holding the chosen steps and the strategy's cross-replica all-reduce."""
+#: each TensorFlow backend's gradient collective in its XSpace: the strategy's op, or polytrain's named event
+TF_COLLECTIVE = {"tf-multiworker": "CollectiveReduceV2", "mpi": "polytrain::mpi gradient sync"}
+
+
+@pytest.mark.parametrize("backend", sorted(TF_COLLECTIVE))
+def test_tensorflow_ranks_are_profiled_with_their_collectives(tmp_path: Path, backend: str) -> None:
+    """TensorFlow's profiler on the backends other than local: 2 ranks under mpirun, each profiled rank's XSpace
+    holding the chosen steps and the backend's gradient all-reduce."""
     pytest.importorskip("tensorflow")
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     out = tmp_path / "out"
-    check(train(out, ["framework=tensorflow", "backend=tf-multiworker", "loop.max_steps=4", "profile.steps=[2,3]",
+    check(train(out, ["framework=tensorflow", f"backend={backend}", "loop.max_steps=4", "profile.steps=[2,3]",
                       "profile.ranks=[0,1]"], nproc=2, launcher="mpirun", timeout=400))
     for rank in (0, 1):
         (space_file,) = (out / "profile" / f"rank{rank}" / "plugins" / "profile").glob("*/*.xplane.pb")
@@ -103,4 +108,4 @@ def test_tf_multiworker_ranks_are_profiled_with_their_collectives(tmp_path: Path
                         for s in e.stats if stat_names[s.metadata_id] == "step_num"})
         assert steps == [2, 3], rank
         ops = {names[e.metadata_id] for line in host.lines for e in line.events}
-        assert any("CollectiveReduce" in op for op in ops), (rank, sorted(ops)[:80])
+        assert any(TF_COLLECTIVE[backend] in op for op in ops), (rank, sorted(ops)[:80])
