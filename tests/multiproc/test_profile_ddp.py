@@ -24,6 +24,15 @@ COLLECTIVE = {"ddp": {"c10d::allreduce_"}, "fsdp": {"c10d::_reduce_scatter_base_
               "mpi": {"polytrain::mpi gradient sync", "gradient bucket 0"}}
 
 
+def profiled_steps(out: Path, rank: int) -> list[set[str]]:
+    """The names of the events inside each of rank ``rank``'s profiled steps (2 and 3, checked), from its trace."""
+    events = [e for e in json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
+              if e.get("ph") == "X"]
+    markers = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    assert [m["name"] for m in markers] == ["ProfilerStep#2", "ProfilerStep#3"]
+    return [{e["name"] for e in events if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]} for m in markers]
+
+
 @pytest.mark.parametrize("backend", sorted(COLLECTIVE))
 def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_path: Path, backend: str) -> None:
     pytest.importorskip("mlflow")
@@ -33,12 +42,7 @@ def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_
                       "profile.ranks=[0,1]", f"logging.mlflow.tracking_uri=sqlite:///{database}"], nproc=2,
                 launcher="mpirun" if mpi else None, args=["--timeline", str(tmp_path / "t.json")] if mpi else ()))
     for rank in (0, 1):
-        events = [e for e in json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
-                  if e.get("ph") == "X"]
-        markers = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
-        assert [m["name"] for m in markers] == ["ProfilerStep#2", "ProfilerStep#3"]
-        for marker in markers:
-            inside = {e["name"] for e in events if marker["ts"] <= e["ts"] <= marker["ts"] + marker["dur"]}
+        for inside in profiled_steps(out, rank):
             assert {*COLLECTIVE[backend], "aten::linear", "Optimizer.step#SGD.step"} <= inside, (rank, sorted(
                 n for n in inside if n.startswith("c10d")))
     from mlflow import MlflowClient
@@ -73,12 +77,7 @@ def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(
     check(train(out, [*sets, "loop.max_steps=4", "profile.steps=[2,3]", "profile.ranks=[0,1]"], nproc=2,
                 launcher="horovodrun-gloo" if layout == "horovod" else None))
     for rank in (0, 1):
-        events = [e for e in json.loads((out / "profile" / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]
-                  if e.get("ph") == "X"]
-        markers = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
-        assert [m["name"] for m in markers] == ["ProfilerStep#2", "ProfilerStep#3"]
-        for marker in markers:
-            inside = {e["name"] for e in events if marker["ts"] <= e["ts"] <= marker["ts"] + marker["dur"]}
+        for inside in profiled_steps(out, rank):
             assert {*collectives, "aten::linear"} <= inside, (rank, sorted(n for n in inside if n.startswith("c10d")))
             assert any(name.startswith("Optimizer.step#") for name in inside), rank
 
