@@ -9,7 +9,7 @@ module outside the blocks to the last. Stages hold consecutive blocks, balanced 
 ``parallel.stage_boundaries``. With ``stages_per_rank`` (interleaved schedules) there are ``P × V`` stages and
 stage ``s`` runs on pipeline rank ``s mod P``; the V-shaped schedules (``zbv``, ``dualpipev``) put stages ``r``
 and ``2P − 1 − r`` on rank ``r`` (`ParallelSpec.stage_rank`). A weight shared by the first and the last stage (a tied input
-embedding and output head) is held by both ranks, each a copy, their gradients summed every step
+embedding and output head) is held as two copies, one per stage, their gradients summed every step
 (`tied_weights`; the backend's ``sum_tied_gradients``).
 
 **What a rank keeps.** The model object itself, pruned: blocks of other stages become ``nn.Identity`` and
@@ -117,8 +117,8 @@ class StageModule(nn.Module):
 
 def cut(spec: TrainSpec, model: nn.Module, example: torch.Tensor, pp_rank: int) -> list[tuple[int, StageModule]]:
     """Prune ``model`` to this pipeline rank's stages (see the module's docstring); returns (stage index, stage).
-    A weight the first and the last stage share (`tied_weights`) stays one Parameter where one rank holds both,
-    and becomes one copy on each of two ranks otherwise."""
+    A weight the first and the last stage share (`tied_weights`) ends as one copy on each of their two ranks (on a
+    rank holding both, the backend has made the second copy before the cut)."""
     parallel = spec.parallel
     paths = block_paths(model, spec)
     check_blocks(parallel, len(paths), f"{type(model).__name__}'s block_classes")
