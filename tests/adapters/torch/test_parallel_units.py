@@ -280,3 +280,26 @@ def test_the_default_micro_step_runs_forward_and_backward_of_the_scaled_summed_l
     # d/dw of 0.5 × Σ (w·x − y)²: 0.5 × 2 × ((−1)·[1, 1] + 1·[2, 0])
     assert model.weight.grad.tolist() == [[1.0, -1.0]]
     assert torch.equal(backend.eval_outputs(model, x, contextlib.nullcontext()), torch.tensor([[-1.0], [2.0]]))
+
+
+# ---------------------------------------------------------------- pipeline: tied weights, V-shaped stages
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_head_is_found_as_the_last_stages_copy_of_the_embedding(tied: bool) -> None:
+    from polytrain.adapters.torch.parallel.pipeline import tied_weights
+    from polytrain.adapters.torch.transformer import TransformerLM
+    from polytrain.zoo import TransformerParams
+
+    model = TransformerLM(vocab=16, seq_len=8, params=TransformerParams(d_model=8, n_heads=2, tie_weights=tied))
+    spec = spec_with({"pipeline": 2})
+    assert tied_weights(model, torch.zeros(1, 8, dtype=torch.long), spec) == (
+        {"head.weight": "tok_emb.weight"} if tied else {})
+
+
+@pytest.mark.parametrize(("schedule", "ranks"), [("1f1b", [0, 1]), ("interleaved_1f1b", [0, 1, 0, 1]),
+                                                 ("interleaved_zero_bubble", [0, 1, 0, 1]), ("zbv", [0, 1, 1, 0]),
+                                                 ("dualpipev", [0, 1, 1, 0])])
+def test_stages_go_round_robin_or_in_a_v(schedule: str, ranks: list[int]) -> None:
+    parallel = ParallelSpec(pipeline=2, schedule=schedule)
+    assert [parallel.stage_rank(s) for s in range(2 * parallel.chunks)] == ranks
+    grid = grid_for(parallel, 2, 0)
+    assert grid.reports == (ranks[-1] == 0)  # the last stage's rank reports the loss
