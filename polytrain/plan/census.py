@@ -351,17 +351,12 @@ def _split_model(spec: TrainSpec, info: Any, degree: int, mesh: Any) -> Any:
 
 
 def _embed_names(model: Any, info: Any, spec: TrainSpec) -> tuple[frozenset[str], frozenset[str]]:
-    """The first stage's parameters, and those of them the last stage holds a copy of (a tied head)."""
     if not (callable(getattr(model, "embed", None)) and callable(getattr(model, "finish", None))):
         return frozenset(), frozenset()
     from polytrain.adapters.torch.parallel.pipeline import embed_modules, example_input, tied_weights
 
-    example = example_input(info)
-    used = embed_modules(model, example)
-    try:
-        tied = frozenset(tied_weights(model, example, spec).values())
-    except SpecError:  # no blocks to cut into stages: no pipeline rows
-        tied = frozenset()
+    used = embed_modules(model, example := example_input(info))  # the first stage's; tied: the last's copies
+    tied = frozenset(tied_weights(model, example, spec).values())
     return frozenset(f"{name}.{p}" for name in used for p, _ in getattr(model, name).named_parameters()), tied
 
 

@@ -154,7 +154,8 @@ def tied_weights(model: nn.Module, example: torch.Tensor, spec: TrainSpec) -> di
     the two stages' ranks keeps its own copy (Megatron's way): `sum_tied_gradients` adds the copies' gradients
     every step, so both take the same update and stay equal."""
     first = embed_modules(model, example)
-    block_roots = {path.split(".")[0] for path in block_paths(model, spec)}
+    names = {id(module): name for name, module in model.named_modules()}
+    block_roots = {names[id(block)].split(".")[0] for block in block_modules(model, None)}  # none: no blocks
     owners = {id(p): f"{name}.{pname}" for name in sorted(first)
               for pname, p in getattr(model, name).named_parameters(remove_duplicate=False)}
     return {f"{name}.{pname}": owners[id(p)] for name, child in model.named_children()
