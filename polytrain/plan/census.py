@@ -350,13 +350,13 @@ def _split_model(spec: TrainSpec, info: Any, degree: int, mesh: Any) -> Any:
     return model
 
 
-def _embed_names(model: Any, info: Any, spec: TrainSpec) -> tuple[frozenset[str], frozenset[str]]:
+def _embed_names(model: Any, info: Any) -> tuple[frozenset[str], frozenset[str]]:
     if not (callable(getattr(model, "embed", None)) and callable(getattr(model, "finish", None))):
         return frozenset(), frozenset()
     from polytrain.adapters.torch.parallel.pipeline import embed_modules, example_input, tied_weights
 
     used = embed_modules(model, example := example_input(info))  # the first stage's; tied: the last's copies
-    tied = frozenset(tied_weights(model, example, spec).values())
+    tied = frozenset(tied_weights(model, example).values())
     return frozenset(f"{name}.{p}" for name in used for p, _ in getattr(model, name).named_parameters()), tied
 
 
@@ -385,7 +385,7 @@ def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None 
         blocks = _blocks(model, spec)
         params = _params(model, blocks)
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        embed, tied = _embed_names(model, info, spec)
+        embed, tied = _embed_names(model, info)
         sample = tuple(t.numel() * t.element_size() for t in _example(info, 1))
         traces[1], local[1] = _trace(spec, info, model, blocks, backward=False), params
     for degree in degrees:

@@ -137,7 +137,7 @@ class ParallelBackend(TorchBackend):
         FSDP unit owns its parameters)."""
         from polytrain.adapters.torch.parallel.pipeline import tied_weights
 
-        self.tied = tied_weights(model, example, self.spec)
+        self.tied = tied_weights(model, example)
         if self.tied and two_ranks:
             self._tied_group = layout_state.tied_group(self.mesh, self.pp_group)
         elif self.tied:

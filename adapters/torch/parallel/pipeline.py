@@ -148,7 +148,7 @@ def cut(spec: TrainSpec, model: nn.Module, example: torch.Tensor, pp_rank: int) 
     return stages
 
 
-def tied_weights(model: nn.Module, example: torch.Tensor, spec: TrainSpec) -> dict[str, str]:
+def tied_weights(model: nn.Module, example: torch.Tensor) -> dict[str, str]:
     """The weights a last-stage module shares with a first-stage one (the transformer's tied head), as
     {last-stage name: first-stage name}, found on the whole model before `cut`. Under pipeline parallel each of
     the two stages' ranks keeps its own copy (Megatron's way): `sum_tied_gradients` adds the copies' gradients

@@ -33,14 +33,8 @@ def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int) -> 
     flat.div_(size)
     offset = 0
     for param, grad in zip(params, grads):
-        n = grad.numel()
-        value = flat[offset:offset + n].view_as(grad)
-        offset += n
-        if param.grad is None:
-            param.grad = DTensor.from_local(value, param.device_mesh, param.placements) \
-                if isinstance(param, DTensor) else value.clone()
-        else:
-            local(param.grad).copy_(value)
+        _set_grad(param, flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
     return flat.numel() * flat.element_size()
 
 

@@ -290,8 +290,7 @@ def test_a_tied_head_is_found_as_the_last_stages_copy_of_the_embedding(tied: boo
     from polytrain.zoo import TransformerParams
 
     model = TransformerLM(vocab=16, seq_len=8, params=TransformerParams(d_model=8, n_heads=2, tie_weights=tied))
-    spec = spec_with({"pipeline": 2})
-    assert tied_weights(model, torch.zeros(1, 8, dtype=torch.long), spec) == (
+    assert tied_weights(model, torch.zeros(1, 8, dtype=torch.long)) == (
         {"head.weight": "tok_emb.weight"} if tied else {})
 
 
