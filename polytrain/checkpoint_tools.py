@@ -113,6 +113,9 @@ def convert(path: Path, to: str, output: Path, spec_path: Path | None = None, ov
             trust: bool = False) -> Path:
     """Write ``path``'s model weights as one plain file. ``--to keras`` builds the model from ``spec_path``
     (with ``overrides``) when given, else from the checkpoint's manifest (see `_keras_spec`)."""
+    if to == "keras" and not output.name.endswith(".weights.h5"):  # Keras refuses any other name, after the build
+        raise UserError(f"-o {output}: --to keras writes Keras weights, whose file name must end in .weights.h5 "
+                        f"(load them with model.load_weights)")
     manifest, tensors = _load_any(path)
     model = tensors["model"]
     _check_output(output)
