@@ -7,7 +7,8 @@
 #                            # pyarrow and Pillow (file data), DeepSpeed, real Horovod 0.28.1 (built once into a cached wheel), the dev tools,
 #                            # W&B and MLflow (the trackers), Ray Train (--launcher ray),
 #                            # and, as root with apt-get, the Debian packages of tests/cluster (sshd, Slurm, munge, MPICH)
-#                            # and libaio-dev, against which DeepSpeed's async I/O op (nvme offload) is built once
+#                            # and libaio-dev, against which DeepSpeed's async I/O op (nvme offload) is built once,
+#                            # and podman + mmdebstrap, with which tests/docker builds and runs the images
 #
 # A set-up with --all also satisfies a later plain run.
 # Every pip install here applies constraints.txt (the exact versions the tests run with); setup.cfg's
@@ -75,8 +76,9 @@ extras="$(gpu_extras "$extras")"
 # --all: the Debian packages tests/cluster uses (one sshd per namespace host, Slurm + munge, MPICH beside the
 # venv's Open MPI, ip/tc). Checked on every run, stamp or not: a fresh CI machine gets them. Only as root with
 # apt-get; elsewhere one line, and those tests skip. /usr/bin's MPI never shadows the venv's (.venv/bin first).
-# libaio-dev: DeepSpeed's async I/O op (deepspeed.offload_*: nvme) builds against it.
-CLUSTER_PACKAGES=(openssh-server openssh-client slurm-wlm munge mpich iproute2 libaio-dev)
+# libaio-dev: DeepSpeed's async I/O op (deepspeed.offload_*: nvme) builds against it. podman, runc and mmdebstrap:
+# tests/docker builds and runs the images (docker/image_check.py).
+CLUSTER_PACKAGES=(openssh-server openssh-client slurm-wlm munge mpich iproute2 libaio-dev podman runc mmdebstrap)
 cluster_packages() {
     local missing=() pkg
     for pkg in "${CLUSTER_PACKAGES[@]}"; do
