@@ -74,6 +74,7 @@ class HostCommand:
     command: tuple[str, ...]
     env: Mapping[str, str]
     hostfile_text: str | None = None
+    ranks: tuple[int, ...] = ()  # the global ranks it starts (node ranks follow the host order)
 
 
 def is_forwarded(name: str) -> bool:
@@ -124,7 +125,8 @@ def torchrun_commands(req: LaunchRequest, environ: Mapping[str, str] | None = No
     return [
         HostCommand(host, i, (torchrun, f"--nnodes={req.num_nodes}", f"--nproc_per_node={per_node}",
                               f"--node_rank={i}", f"--master_addr={addr}", f"--master_port={port}",
-                              f"--max_restarts={req.max_restarts}", *req.extra_args, *program), env)
+                              f"--max_restarts={req.max_restarts}", *req.extra_args, *program), env,
+                    ranks=tuple(range(i * per_node, (i + 1) * per_node)))
         for i, (host, _) in enumerate(req.hosts)
     ]
 
@@ -142,7 +144,7 @@ def deepspeed_commands(req: LaunchRequest, environ: Mapping[str, str] | None = N
         HostCommand(host, i, (deepspeed, "--hostfile", req.hostfile or HOSTFILE_ARG, "--no_ssh", "--node_rank",
                               str(i), "--num_gpus", str(per_node), "--num_nodes", str(req.num_nodes),
                               "--master_addr", addr, "--master_port", str(port), "--no_local_rank",
-                              *req.extra_args, *program), env, text)
+                              *req.extra_args, *program), env, text, tuple(range(i * per_node, (i + 1) * per_node)))
         for i, (host, _) in enumerate(req.hosts)
     ]
 
@@ -213,6 +215,20 @@ def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | 
                else f"{launcher} exited with code {host_code}")
         print(f"polytrain launch: host {items[first].host} (node {first} of {len(items)}): {how}; "
               f"stopped the other hosts", file=sys.stderr, flush=True)
+        if host_code == SSH_FAILED and _lost_with_host(items[first], records):
+            return  # the other hosts' ranks ended because this launch stopped them: naming one would mislead
     if not ssh_only:
         report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records),
                                 watch.signals_by_rank(records), parsers=reading.parsers)
+
+
+def _lost_with_host(item: HostCommand, records: Mapping[int, exit_board.RankRecord]) -> bool:
+    """Name the ranks ``item`` started that recorded no end (where the board is not on a shared file system,
+    the remote ranks record nothing here): they went with the host (a killed container or machine, a dead
+    network). False when every one of them recorded its end."""
+    lost = [rank for rank in item.ranks if rank not in records or records[rank].end is None]
+    if lost:
+        print(f"polytrain launch: rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} on host {item.host} "
+              f"ended with the host, recording no exit (its machine or container stopped, or the network to it "
+              f"is gone); the ranks on the other hosts were stopped by this launch", file=sys.stderr, flush=True)
+    return bool(lost)

@@ -101,7 +101,7 @@ def test_multi_host_dry_run_prints_every_host_over_ssh():
 
     r = req(nproc=4, hosts=[("n1", 2), ("n2", 2)], master_port=None, program=SPEC, env={"A": "1 2"})
     items = ssh_fanout.torchrun_commands(r, environ={"GLOO_X": "y", "HOME": "/root"})
-    assert [(i.host, i.node_rank) for i in items] == [("n1", 0), ("n2", 1)]
+    assert [(i.host, i.node_rank, i.ranks) for i in items] == [("n1", 0, (0, 1)), ("n2", 1, (2, 3))]
     assert items[1].env == {"GLOO_X": "y", "A": "1 2"}
     assert items[1].command[1:8] == ("--nnodes=2", "--nproc_per_node=2", "--node_rank=1", "--master_addr=n1",
                                      "--master_port=29400", "--max_restarts=0", "-m")
@@ -141,3 +141,16 @@ def test_the_fanout_and_its_guard_agree_on_the_hostfile_placeholder():
     from polytrain.launchers import ssh_fanout, ssh_guard
 
     assert ssh_fanout.HOSTFILE_ARG == ssh_guard.HOSTFILE_ARG
+
+
+def test_a_host_lost_over_ssh_names_the_ranks_that_went_with_it(capsys):
+    """Its ranks recorded no end (a killed container: its board entries, if any, are on its own disk): the
+    report names them, not a rank of another host that this launch stopped."""
+    from polytrain.launchers import exit_board, ssh_fanout
+
+    items = ssh_fanout.torchrun_commands(req(nproc=4, hosts=[("n1", 2), ("n2", 2)], program=SPEC), environ={})
+    stopped = {r: exit_board.RankRecord(rank=r, host="n1", pid=10 + r, start=1.0) for r in (0, 1)}
+    assert ssh_fanout._lost_with_host(items[1], stopped)
+    assert capsys.readouterr().err.startswith("polytrain launch: ranks 2, 3 on host n2 ended with the host")
+    ended = {r: exit_board.RankRecord(rank=r, host="n2", pid=r, start=1.0, end=2.0, code=1) for r in (2, 3)}
+    assert not ssh_fanout._lost_with_host(items[1], {**stopped, **ended}) and capsys.readouterr().err == ""
