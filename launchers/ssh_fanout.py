@@ -215,17 +215,20 @@ def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | 
                else f"{launcher} exited with code {host_code}")
         print(f"polytrain launch: host {items[first].host} (node {first} of {len(items)}): {how}; "
               f"stopped the other hosts", file=sys.stderr, flush=True)
-        if host_code == SSH_FAILED and _lost_with_host(items[first], records):
+        if host_code == SSH_FAILED and _lost_with_host(items[first], records, text):
             return  # the other hosts' ranks ended because this launch stopped them: naming one would mislead
     if not ssh_only:
         report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records),
                                 watch.signals_by_rank(records), parsers=reading.parsers)
 
 
-def _lost_with_host(item: HostCommand, records: Mapping[int, exit_board.RankRecord]) -> bool:
-    """Name the ranks ``item`` started that recorded no end (where the board is not on a shared file system,
-    the remote ranks record nothing here): they went with the host (a killed container or machine, a dead
-    network). False when every one of them recorded its end."""
+def _lost_with_host(item: HostCommand, records: Mapping[int, exit_board.RankRecord], text: str) -> bool:
+    """After ssh said the host dropped a session it had opened (a killed container or machine), name the ranks
+    ``item`` started that recorded no end (where the board is not on a shared file system, the remote ranks
+    record nothing here): they went with the host. False when ssh never got through (an unknown or unreachable
+    host: its ranks never started) or every one of them recorded its end."""
+    if f"Connection to {item.host} closed" not in text:
+        return False
     lost = [rank for rank in item.ranks if rank not in records or records[rank].end is None]
     if lost:
         print(f"polytrain launch: rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} on host {item.host} "

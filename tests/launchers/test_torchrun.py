@@ -150,7 +150,11 @@ def test_a_host_lost_over_ssh_names_the_ranks_that_went_with_it(capsys):
 
     items = ssh_fanout.torchrun_commands(req(nproc=4, hosts=[("n1", 2), ("n2", 2)], program=SPEC), environ={})
     stopped = {r: exit_board.RankRecord(rank=r, host="n1", pid=10 + r, start=1.0) for r in (0, 1)}
-    assert ssh_fanout._lost_with_host(items[1], stopped)
+    dropped = "epoch 1/15 ...\nConnection to n2 closed by remote host.\n"
+    assert ssh_fanout._lost_with_host(items[1], stopped, dropped)
     assert capsys.readouterr().err.startswith("polytrain launch: ranks 2, 3 on host n2 ended with the host")
     ended = {r: exit_board.RankRecord(rank=r, host="n2", pid=r, start=1.0, end=2.0, code=1) for r in (2, 3)}
-    assert not ssh_fanout._lost_with_host(items[1], {**stopped, **ended}) and capsys.readouterr().err == ""
+    assert not ssh_fanout._lost_with_host(items[1], {**stopped, **ended}, dropped)
+    # ssh never got through: the host's ranks never started, and nothing is said of them
+    never = "ssh: Could not resolve hostname n2: Temporary failure in name resolution\n"
+    assert not ssh_fanout._lost_with_host(items[1], stopped, never) and capsys.readouterr().err == ""
