@@ -133,6 +133,17 @@ def pip_settings(private: Path) -> tuple[list[str], str | None]:
     return volumes, settings.get("extra-index-url")
 
 
+def index_arg(index: str | None) -> list[str]:
+    """The build arg that hands the host's extra index to the Dockerfile (TORCH_INDEX_URL). An index URL with
+    credentials (user:password@host) is never passed: build args are on podman's command line and in the image's
+    history. Then TORCH_INDEX_URL is empty and pip finds torch through the mounted configuration alone."""
+    if index is None:
+        return []
+    if re.search(r"://[^/\s]*@", index):
+        return ["--build-arg", "TORCH_INDEX_URL="]
+    return ["--build-arg", f"TORCH_INDEX_URL={index}"]
+
+
 def seed_horovod(podman: Podman, cache: Path) -> list[str]:
     """Put the host's Horovod wheels into the build's cache mount (/var/cache/polytrain): the build then
     installs one instead of compiling Horovod for 15-35 minutes."""
@@ -149,7 +160,7 @@ def seed_horovod(podman: Podman, cache: Path) -> list[str]:
 def build(podman: Podman, dockerfile: str, tag: str, base_args: Sequence[str], log: Path) -> float:
     with tempfile.TemporaryDirectory(prefix="polytrain-image-") as private:
         volumes, index = pip_settings(Path(private))
-        args = [*base_args, *(["--build-arg", f"TORCH_INDEX_URL={index}"] if index else [])]
+        args = [*base_args, *index_arg(index)]
         started, since = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
         with log.open("w") as out:
             proc = subprocess.Popen([*podman.prefix, "build", "--format", "docker", "--layers", *LIMITS, *volumes,

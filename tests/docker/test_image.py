@@ -72,3 +72,11 @@ def test_a_build_cut_short_leaves_no_process_or_container(tmp_path: Path) -> Non
     assert subprocess.run(["pgrep", "-f", "polytrain-cut-short"], capture_output=True).returncode == 1
     assert subprocess.run(["pgrep", "-f", f"building-{os.getpid()}"], capture_output=True).returncode == 1
     assert left_behind(podman) == []
+
+
+def test_an_index_with_credentials_never_becomes_a_build_arg() -> None:
+    """Build args are on podman's command line and in the image's history."""
+    assert image_check.index_arg(None) == []
+    assert image_check.index_arg("file:///opt/pypi/simple https://pypi.example/simple") == [
+        "--build-arg", "TORCH_INDEX_URL=file:///opt/pypi/simple https://pypi.example/simple"]
+    assert image_check.index_arg("https://me:s3cret@pypi.example/simple") == ["--build-arg", "TORCH_INDEX_URL="]
