@@ -161,7 +161,7 @@ def build(podman: Podman, dockerfile: str, tag: str, base_args: Sequence[str], l
     with tempfile.TemporaryDirectory(prefix="polytrain-image-") as private:
         volumes, index = pip_settings(Path(private))
         args = [*base_args, *index_arg(index)]
-        started, since = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S")
+        started = time.perf_counter()
         with log.open("w") as out:
             proc = subprocess.Popen([*podman.prefix, "build", "--format", "docker", "--layers", *LIMITS, *volumes,
                                      *args, "-f", dockerfile, "-t", tag, "."], cwd=REPO, text=True, stdout=out,
@@ -174,8 +174,9 @@ def build(podman: Podman, dockerfile: str, tag: str, base_args: Sequence[str], l
         if code != 0:
             tail = log.read_text().strip().splitlines()[-12:]
             raise CheckFailed(f"building {dockerfile} failed (exit {code}; whole log: {log})\n" + "\n".join(tail))
-        # earlier builds' layers that nothing names any more (this build's, the next build's cache, are kept)
-        podman("image", "prune", "-f", "--filter", f"until={since}", check=False)
+        # unnamed layers over three days old: earlier builds' stages. Not younger ones: a builder stage reused
+        # from the cache keeps its creation time and is unnamed too, and it is the next build's cache.
+        podman("image", "prune", "-f", "--filter", "until=72h", check=False)
         return time.perf_counter() - started
 
 
@@ -326,14 +327,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in only:
                 try:
                     line = table[name](run)
-                except (CheckFailed, subprocess.TimeoutExpired) as exc:
-                    failed += 1
+                except (CheckFailed, subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
+                    failed += 1  # a missing model.json, a timeout, output that is not what a check reads
+                    exc = exc if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
                     results[name] = {"ok": False, "why": str(exc)}
                     print(f"FAIL {name:<10} {exc}")
                 else:
                     results[name] = {"ok": True, "what": line}
                     print(f"ok   {name:<10} {line}")
-        except CheckFailed as exc:
+        except (CheckFailed, subprocess.SubprocessError, OSError) as exc:  # the base, the build, the inspect
             failed += 1
             results["build"] = {"ok": False, "why": str(exc)}
             print(f"FAIL build      {exc}")
