@@ -50,16 +50,26 @@ class Podman:
         self.prefix = ["podman", "--root", str(self.store / "storage"), "--runroot", "/run/polytrain-podman",
                        "--runtime", "runc"]
 
-    def __call__(self, *args: str, timeout: float = 600, check: bool = True,
-                 capture: bool = True) -> subprocess.CompletedProcess[str]:
-        self.tmp.mkdir(parents=True, exist_ok=True)
+    def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([*self.prefix, *args], text=True, timeout=timeout, start_new_session=True,
-                              env={**os.environ, "TMPDIR": str(self.tmp)},
-                              stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT)
+                              env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if check and proc.returncode != 0:
             tail = (proc.stdout or "").strip().splitlines()[-15:]
             raise CheckFailed(f"podman {' '.join(args[:2])} exited {proc.returncode}\n" + "\n".join(tail))
         return proc
+
+    def env(self) -> dict[str, str]:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return {**os.environ, "TMPDIR": str(self.tmp)}
+
+    def popen(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        """podman in the background, in a session of its own (so that its whole group can be stopped)."""
+        return subprocess.Popen([*self.prefix, *args], text=True, env=self.env(), start_new_session=True,
+                                **kwargs)  # type: ignore[call-overload]
+
+    def container_options(self) -> list[str]:
+        """What every container of the check gets: this run's label, shared memory for MPI, the limits."""
+        return ["--label", self.label, "--shm-size", "1g", *LIMITS]
 
     def clean(self) -> None:
         """Every container and network this run made (by its label)."""
@@ -163,10 +173,8 @@ def build(podman: Podman, dockerfile: str, tag: str, base_args: Sequence[str], l
         args = [*base_args, *index_arg(index)]
         started = time.perf_counter()
         with log.open("w") as out:
-            proc = subprocess.Popen([*podman.prefix, "build", "--format", "docker", "--layers", *LIMITS, *volumes,
-                                     *args, "-f", dockerfile, "-t", tag, "."], cwd=REPO, text=True, stdout=out,
-                                    stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(podman.tmp)},
-                                    start_new_session=True)
+            proc = podman.popen("build", "--format", "docker", "--layers", *LIMITS, *volumes, *args,
+                                "-f", dockerfile, "-t", tag, ".", cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
             try:
                 code = proc.wait(timeout=3600)
             finally:
@@ -214,7 +222,7 @@ class Runner:
     def __call__(self, *argv: str, timeout: float = 600) -> str:
         self.count += 1
         proc = self.podman("run", "--rm", "--name", f"polytrain-check-{os.getpid()}-{self.count}",
-                           "--label", self.podman.label, "--network", "none", "--shm-size", "1g", *LIMITS,
+                           "--network", "none", *self.podman.container_options(),
                            "-e", "MASTER_ADDR=127.0.0.1", "-e", "GLOO_SOCKET_IFNAME=lo",
                            "-v", f"{self.runs}:/workspace/runs", self.image, *argv, timeout=timeout, check=False)
         if proc.returncode != 0:

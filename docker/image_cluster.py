@@ -7,16 +7,14 @@ launch must end non-zero, naming the lost host and its ranks, and nothing may be
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from image_check import LIMITS, CheckFailed, Podman, Runner
+from image_check import CheckFailed, Podman, Runner
 
 HOSTS = ("node1", "node2")
 
@@ -42,7 +40,7 @@ class Cluster:
                     self.network)
         for host, name in self.names.items():
             self.podman("run", "-d", "--name", name, "--hostname", host, "--network-alias", host,
-                        "--network", self.network, "--label", self.podman.label, "--shm-size", "1g", *LIMITS,
+                        "--network", self.network, *self.podman.container_options(),
                         "-v", f"{self.keys}:/run/polytrain-ssh:ro", "-v", f"{self.runs}:/workspace/runs",
                         self.image, "sshd")
         deadline = time.monotonic() + 60
@@ -56,10 +54,12 @@ class Cluster:
     def exec(self, *argv: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return self.podman("exec", self.names[HOSTS[0]], *argv, check=check, timeout=timeout)
 
-    def launch(self, launcher: str, output: str, *sets: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return self.exec("polytrain", "launch", "--launcher", launcher, "-H", ",".join(f"{h}:2" for h in HOSTS),
-                         "-np", "4", "examples/digits.yaml", "--quiet", "--set", f"output=runs/{output}",
-                         *[f"--set={s}" for s in sets], check=check)
+    def launch_argv(self, launcher: str, output: str, *train_args: str) -> list[str]:
+        """`podman exec` on the first host of `polytrain launch` with 2 ranks on each host; ``train_args`` go to
+        `polytrain train`."""
+        return ["exec", self.names[HOSTS[0]], "polytrain", "launch", "--launcher", launcher,
+                "-H", ",".join(f"{h}:2" for h in HOSTS), "-np", "4", "examples/digits.yaml",
+                "--set", f"output=runs/{output}", *train_args]
 
     def close(self) -> None:
         self.podman("rm", "-f", "-t", "0", *self.names.values(), check=False)
@@ -67,19 +67,15 @@ class Cluster:
         subprocess.run(["rm", "-rf", str(self.keys)], check=False)
 
 
-def _model(runs: Path, name: str) -> dict[str, Any]:
-    return json.loads((runs / name / "model.json").read_text())
-
-
 def check_multi_host(run: Runner) -> str:
     run("launch", "--launcher", "torchrun", "-np", "4", "examples/digits.yaml", "--quiet",
         "--set", "output=runs/one-host")
-    reference = _model(run.runs, "one-host")
+    reference = run.model("one-host")
     cluster = Cluster(run.podman, run.image, run.runs).open()
     try:
         for launcher in ("torchrun", "mpirun"):
-            cluster.launch(launcher, f"two-hosts-{launcher}")
-            model = _model(run.runs, f"two-hosts-{launcher}")
+            cluster.podman(*cluster.launch_argv(launcher, f"two-hosts-{launcher}", "--quiet"))
+            model = run.model(f"two-hosts-{launcher}")
             if (model["world_size"], model["rank_state_digests"][0]) != (4, reference["rank_state_digests"][0]):
                 raise CheckFailed(f"{launcher} on 2 containers x 2: world {model['world_size']}, val accuracy "
                                   f"{model['val_accuracy']} - not the model of 4 processes in one container "
@@ -95,11 +91,8 @@ def _kill_mid_job(cluster: Cluster) -> str:
     """Start a long job across both, kill the second container once the job has logged a step, and read what
     the launch says."""
     metrics = cluster.runs / "killed" / "metrics.jsonl"
-    job = subprocess.Popen([*cluster.podman.prefix, "exec", cluster.names[HOSTS[0]], "polytrain", "launch",
-                            "--launcher", "torchrun", "-H", ",".join(f"{h}:2" for h in HOSTS), "-np", "4",
-                            "examples/digits.yaml", "--set", "output=runs/killed", "--set", "loop.epochs=500"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                           env={**os.environ, "TMPDIR": str(cluster.podman.tmp)})
+    job = cluster.podman.popen(*cluster.launch_argv("torchrun", "killed", "--set", "loop.epochs=500"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while '"step"' not in (metrics.read_text() if metrics.exists() else ""):

@@ -114,6 +114,11 @@ def _master(req: LaunchRequest, default_port: int) -> tuple[str, int]:
     return req.master_addr or req.hosts[0][0], req.master_port or default_port
 
 
+def _node_ranks(node: int, per_node: int) -> tuple[int, ...]:
+    """The global ranks on node ``node`` (torchrun and DeepSpeed number them node by node)."""
+    return tuple(range(node * per_node, (node + 1) * per_node))
+
+
 def torchrun_commands(req: LaunchRequest, environ: Mapping[str, str] | None = None) -> list[HostCommand]:
     """One torchrun per host, static rendezvous at the first host; node ranks in host order."""
     per_node = procs_per_node(req)
@@ -126,7 +131,7 @@ def torchrun_commands(req: LaunchRequest, environ: Mapping[str, str] | None = No
         HostCommand(host, i, (torchrun, f"--nnodes={req.num_nodes}", f"--nproc_per_node={per_node}",
                               f"--node_rank={i}", f"--master_addr={addr}", f"--master_port={port}",
                               f"--max_restarts={req.max_restarts}", *req.extra_args, *program), env,
-                    ranks=tuple(range(i * per_node, (i + 1) * per_node)))
+                    ranks=_node_ranks(i, per_node))
         for i, (host, _) in enumerate(req.hosts)
     ]
 
@@ -144,7 +149,7 @@ def deepspeed_commands(req: LaunchRequest, environ: Mapping[str, str] | None = N
         HostCommand(host, i, (deepspeed, "--hostfile", req.hostfile or HOSTFILE_ARG, "--no_ssh", "--node_rank",
                               str(i), "--num_gpus", str(per_node), "--num_nodes", str(req.num_nodes),
                               "--master_addr", addr, "--master_port", str(port), "--no_local_rank",
-                              *req.extra_args, *program), env, text, tuple(range(i * per_node, (i + 1) * per_node)))
+                              *req.extra_args, *program), env, text, _node_ranks(i, per_node))
         for i, (host, _) in enumerate(req.hosts)
     ]
 

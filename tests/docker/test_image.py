@@ -46,6 +46,7 @@ def test_the_cpu_image_builds_and_runs_every_job(tmp_path: Path) -> None:
     assert left_behind(image_check.Podman(image_check.CACHE)) == []
 
 
+@pytest.mark.timeout(420)  # a build that never reaches its RUN step fails here instead of hanging
 def test_a_build_cut_short_leaves_no_process_or_container(tmp_path: Path) -> None:
     podman = image_check.Podman(image_check.CACHE)
     base = image_check.base_image(podman, image_check.CACHE)
@@ -58,9 +59,8 @@ def test_a_build_cut_short_leaves_no_process_or_container(tmp_path: Path) -> Non
               f"__import__('pathlib').Path({str(log)!r}))")
     proc = subprocess.Popen([sys.executable, "-c", driver], start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
         while f"building-{os.getpid()}" not in (log.read_text() if log.exists() else ""):
-            assert proc.poll() is None and time.monotonic() < deadline, "the build never reached its RUN step"
+            assert proc.poll() is None, "the build ended before its RUN step"
             time.sleep(0.2)
         builders = subprocess.run(["pgrep", "-f", "polytrain-cut-short"], capture_output=True, text=True).stdout
         assert builders.split(), "no build process found"
