@@ -132,6 +132,21 @@ def test_auto_for_tensorflow_on_one_process_is_local_whatever_the_launcher(monke
 # --------------------------------------------------------------------------- refusals
 
 
+def test_a_profile_on_tf_multiworker_across_processes_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorFlow's profiler crashes a tf-multiworker rank as it stops (1 run in 5): refused, explicit or auto."""
+    missing(monkeypatch, ["mpi4py"])  # auto then chooses tf-multiworker
+    profiled = {"framework": "tensorflow", "profile": {"steps": [2, 3]}}
+    for backend, said in (("tf-multiworker", "'tf-multiworker' on 2"), ("auto", "'tf-multiworker' (chosen by auto)")):
+        with pytest.raises(SpecError) as caught:
+            registry.resolve_backend_name(spec(**profiled, backend=backend), world(2, "openmpi"))
+        message = str(caught.value)
+        assert message.startswith(f"profile: not with backend {said}") and "\n" not in message
+        assert "backend 'mpi' or 'horovod'" in message
+    assert registry.resolve_backend_name(spec(**profiled, backend="tf-multiworker"), World()) == "tf-multiworker"
+    assert registry.resolve_backend_name(spec(framework="tensorflow", backend="tf-multiworker"),
+                                         world(2, "openmpi")) == "tf-multiworker"  # no profile table: runs
+
+
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_local_refuses_several_processes(framework: str) -> None:
     with pytest.raises(SpecError) as info:

@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
 
     hvd.init()
-    tf.random.set_seed(hvd.rank())
+    keras.utils.set_random_seed(hvd.rank())  # seeds Keras 3 initializers too (tf.random.set_seed does not)
     (x_train, y_train), (x_val, y_val) = load_shards(hvd.rank(), hvd.size())
     dataset = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(len(x_train), seed=hvd.rank())
     # Every rank must take the same number of steps (collectives pair up step by step).

@@ -12,20 +12,22 @@ from procs import BIN, REPO, check, free_port, loopback_env, run
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 SHOW_WORLD = """
-import dataclasses, json, sys
+import dataclasses, json, pathlib, sys
 from polytrain.environments import detect_world, ensure_master
 world = detect_world()
-if sys.argv[1:] == ["--agree"]:
+if sys.argv[2:] == ["--agree"]:
     world = ensure_master(world)
-print("WORLD " + json.dumps(dataclasses.asdict(world)), flush=True)
-"""
+pathlib.Path(sys.argv[1], f"world-{world.rank}.json").write_text(json.dumps(dataclasses.asdict(world)))
+"""  # one file per rank: two ranks printing to one pipe can interleave their lines (seen in CI)
 
 
 def worlds(tmp_path: Path, launcher_cmd: list[str], *args: str, env: dict[str, str]) -> list[dict]:
     script = tmp_path / "show_world.py"
     script.write_text(SHOW_WORLD)
-    result = check(run([*launcher_cmd, str(BIN / "python"), str(script), *args], timeout=120, env=env))
-    found = [json.loads(line.split("WORLD ", 1)[1]) for line in result.stdout.splitlines() if "WORLD " in line]
+    out = tmp_path / "worlds"
+    out.mkdir()
+    check(run([*launcher_cmd, str(BIN / "python"), str(script), str(out), *args], timeout=120, env=env))
+    found = [json.loads(path.read_text()) for path in out.glob("world-*.json")]
     return sorted(found, key=lambda w: w["rank"])
 
 

@@ -82,8 +82,10 @@ def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(
             assert any(name.startswith("Optimizer.step#") for name in inside), rank
 
 
-#: each TensorFlow backend's gradient collective in its XSpace: the strategy's op, or polytrain's named event
-TF_COLLECTIVE = {"tf-multiworker": "CollectiveReduceV2", "mpi": "polytrain::mpi gradient sync"}
+#: each TensorFlow backend's gradient collective in its XSpace: polytrain's named event. tf-multiworker (the
+#: strategy's CollectiveReduceV2) is refused with a profile table: TensorFlow's profiler crashed a rank as it
+#: stopped, 1 run in 5 (tests/test_registry.py checks the refusal).
+TF_COLLECTIVE = {"mpi": "polytrain::mpi gradient sync"}
 
 
 @pytest.mark.parametrize("backend", sorted(TF_COLLECTIVE))
