@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,10 @@ class Launch:
     @staticmethod
     def results(proc: subprocess.CompletedProcess[str], size: int) -> list[dict]:
         """Every rank's RESULT json, indexed by the rank it reports."""
-        found = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+        # Each rank's object is one write, its newline another (PYTHONUNBUFFERED): two ranks' lines can run into
+        # each other, so every object is decoded where its marker starts, not line by line.
+        decode = json.JSONDecoder().raw_decode
+        found = [decode(proc.stdout, at.end())[0] for at in re.finditer("RESULT ", proc.stdout)]
         assert len(found) == size, f"expected {size} RESULT lines:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return sorted(found, key=lambda res: res["rank"])
 
