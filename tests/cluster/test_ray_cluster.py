@@ -4,6 +4,9 @@ crosses the bridge (the rendezvous names a host's address, never loopback). The 
 authentication with a token file of its own (0600, named by ``RAY_AUTH_TOKEN_PATH``; no secret on a command line).
 
 - A 2-host job trains exactly what the same spec trains on 2 processes of one host under torchrun.
+- On 3 hosts (one CPU each), the node of a worker killed mid-training with ``--max-restarts 1``: the two workers
+  still fit the nodes left, so Ray restarts the group there and the job resumes from its newest checkpoint and
+  ends with the weights of the uninterrupted run; the test prints the time from the kill to the job's end.
 - h2's node killed mid-training (every Ray and job process on it SIGKILLed) with ``--max-restarts 1``: the two
   workers no longer fit the one CPU left, and the job ends with one line saying so — Ray's default would retry the
   worker group for ever — with no job process left on h1. Ray is told to wait 10 s for a group to start
@@ -13,6 +16,7 @@ authentication with a token file of its own (0600, named by ``RAY_AUTH_TOKEN_PAT
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -25,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jobs import SPEC, launch, sets
-from procs import train
+from procs import read_metrics, train
 
 from polytrain.checkpoint import read_model
 
@@ -37,28 +41,34 @@ PORT = 6391
 EPOCHS = ("loop.epochs=2",)
 
 
-@pytest.fixture
-def ray_cluster(cluster, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """A Ray head on h1 and a worker node on h2 (one CPU each); the environment that reaches it. Killed after,
-    its session files removed."""
+@contextlib.contextmanager
+def ray_on(cluster, tmp_path: Path, **env: str) -> Iterator[dict[str, str]]:
+    """A Ray head on the first host and a worker node on each other one (one CPU each); the environment that
+    reaches it. Killed after, its session files removed."""
     token = tmp_path / "ray_token"
     token.write_text(secrets.token_hex(32))
     os.chmod(token, 0o600)
-    env = cluster.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10",
-                      RAY_DEDUP_LOGS="0")
-    h1, h2 = cluster.hosts
+    env = cluster.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_DEDUP_LOGS="0", **env)
+    head, *others = cluster.hosts
     common = ["--num-cpus=1", "--disable-usage-stats"]
     temp = tempfile.mkdtemp(prefix="ptray-")  # short: Ray's socket paths live under it
     try:
-        for host, args in ((h1, ["--head", f"--port={PORT}", "--include-dashboard=false", f"--temp-dir={temp}"]),
-                           (h2, [f"--address={h1.addr}:{PORT}"])):
+        for host, args in ((head, ["--head", f"--port={PORT}", "--include-dashboard=false", f"--temp-dir={temp}"]),
+                           *((host, [f"--address={head.addr}:{PORT}"]) for host in others)):
             started = host.run([RAY, "start", f"--node-ip-address={host.addr}", *args, *common], env=env, check=False)
             assert started.returncode == 0, f"ray start on {host.name}:\n{started.stdout[-2000:]}{started.stderr[-3000:]}"
         yield env
     finally:
-        for host in (h2, h1):  # SIGKILL, within the host's namespace (`ray stop` would stop any Ray on the machine)
+        for host in reversed(cluster.hosts):  # SIGKILL, within the host's namespace (`ray stop` would stop any Ray)
             host.kill_all()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_cluster(cluster, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """h1 (head) and h2; a worker group that cannot start is given up after 10 s."""
+    with ray_on(cluster, tmp_path, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S="10") as env:
+        yield env
 
 
 def ray_job(cluster, env: dict[str, str], out: Path, *extra: str, flags: tuple[str, ...] = ()):
@@ -94,3 +104,30 @@ def test_a_two_host_job_trains_what_one_host_trains_and_a_lost_node_ends_it_in_o
            "for them (a node lost" in job.stderr, job.text()
     time.sleep(1)  # the failed rank's process ends with its worker actor
     assert not [cmd for cmd in h1.commands().values() if "polytrain.cli train" in cmd], h1.commands()
+
+
+def test_a_lost_node_whose_workers_fit_the_nodes_left_restarts_there_and_ends_with_the_uninterrupted_weights(
+        cluster3, tmp_path: Path) -> None:
+    keep = ("loop.epochs=8", "checkpoint.every_n_steps=10", "schedule.decay=none")
+    with ray_on(cluster3, tmp_path) as env:
+        out = tmp_path / "out"
+        job = ray_job(cluster3, env, out, *keep, flags=("--max-restarts", "1"))
+        job.wait_for(r"epoch 1: train loss", timeout=200)
+        head, *others = cluster3.hosts
+        victims = [host for host in others if any("polytrain.cli train" in cmd for cmd in host.commands().values())]
+        assert victims, "no worker on h2 or h3:\n" + job.text()
+        victim = victims[0]  # a node the head is not on: the job's driver and Ray's controller stay up
+        assert victim.kill_all(), f"nothing ran on {victim.name}"
+        killed = time.monotonic()
+        code = job.wait(timeout=300)
+        print(f"\nray, {victim.name}'s node killed: the job ended {code} {time.monotonic() - killed:.1f} s later")
+        assert code == 0, job.text()
+    resumes = read_metrics(out, "resume")
+    assert len(resumes) == 1 and resumes[0]["step"] % 10 == 0 and resumes[0]["step"] >= 20, resumes
+    reference = train(tmp_path / "one-host", keep, spec=SPEC, launcher="torchrun", nproc=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    got, manifest = read_model(out)
+    want, _ = read_model(tmp_path / "one-host")
+    assert manifest["world_size"] == 2 and sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
