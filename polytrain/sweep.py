@@ -8,8 +8,9 @@ directory, with its own output directory in the trial's (``<output>/sweep/ray/<t
 Tune (``tune.report``), so a scheduler (``--scheduler asha``) can stop a trial early (its run is then stopped). A
 trial that fails is reported and the others go on. The table of trials (the grid values, the best value of the
 metric over each trial's epochs, its status) is printed with the best marked and written as CSV
-(``<output>/sweep/sweep.csv``). Ray is a local one started for the sweep (one CPU per rank of a trial), or the
-cluster at ``--ray-address``.
+(``<output>/sweep/sweep.csv``, with the address of the node each trial ran on; the table shows it too when the
+trials ran on more than one). Ray is a local one started for the sweep (one CPU per rank of a trial), or the
+cluster at ``--ray-address``, whose nodes must all see the output directory (Ray Tune keeps its trials there).
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ def sweep_from_args(args: argparse.Namespace) -> int:
     _print_table(rows, best, args.metric, [key for key in points[0]])
     root.mkdir(parents=True, exist_ok=True)
     with (root / "sweep.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["trial", *points[0], args.metric, "status", "best", "output"])
+        writer = csv.DictWriter(f, fieldnames=["trial", *points[0], args.metric, "status", "best", "node",
+                                               "output"])
         writer.writeheader()
         for i, row in enumerate(rows):
             writer.writerow({"trial": row["trial"], **row["point"], args.metric: row["value"], "status": row["status"],
-                             "best": i == best, "output": row["output"]})
+                             "best": i == best, "node": row["node"], "output": row["output"]})
     print(f"sweep: {root / 'sweep.csv'}")
     return 0 if best is not None else 1
 
@@ -116,6 +118,7 @@ def _run_trials(args: argparse.Namespace, points: list[dict[str, str]], root: Pa
             status = STATUS_FAILED if result.error is not None else (
                 STATUS_OK if _finished(output) else STATUS_STOPPED)
             rows.append({"trial": number, "point": result.config["point"], "value": value, "status": status,
+                         "node": (result.metrics or {}).get("node_ip", ""),  # Tune adds it to each report
                          "output": str(output), "error": _one_line(result.error) if result.error else None})
     return rows
 
@@ -173,9 +176,10 @@ def _best(rows: list[dict[str, Any]], mode: str) -> int | None:
 
 
 def _print_table(rows: list[dict[str, Any]], best: int | None, metric: str, keys: list[str]) -> None:
-    header = ["", "trial", *keys, metric, "status"]
+    nodes = len({row["node"] for row in rows}) > 1
+    header = ["", "trial", *keys, *(["node"] if nodes else []), metric, "status"]
     table = [[("*" if i == best else ""), str(row["trial"]), *(row["point"][k] for k in keys),
-              "-" if row["value"] is None else f"{row['value']:.4f}",
+              *([row["node"] or "-"] if nodes else []), "-" if row["value"] is None else f"{row['value']:.4f}",
               row["status"] + (f": {row['error']}" if row["error"] else "")] for i, row in enumerate(rows)]
     widths = [max(len(r[c]) for r in [header, *table]) for c in range(len(header) - 1)]
     for r in [header, *table]:

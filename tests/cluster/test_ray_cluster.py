@@ -7,6 +7,8 @@ authentication with a token file of its own (0600, named by ``RAY_AUTH_TOKEN_PAT
 - On 3 hosts (one CPU each), the node of a worker killed mid-training with ``--max-restarts 1``: the two workers
   still fit the nodes left, so Ray restarts the group there and the job resumes from its newest checkpoint and
   ends with the weights of the uninterrupted run; the test prints the time from the kill to the job's end.
+- ``polytrain sweep --ray-address`` on the 2 nodes: its 2 trials (one CPU each) run one on each host, and the
+  table and CSV say which.
 - h2's node killed mid-training (every Ray and job process on it SIGKILLed) with ``--max-restarts 1``: the two
   workers no longer fit the one CPU left, and the job ends with one line saying so — Ray's default would retry the
   worker group for ever — with no job process left on h1. Ray is told to wait 10 s for a group to start
@@ -17,6 +19,7 @@ authentication with a token file of its own (0600, named by ``RAY_AUTH_TOKEN_PAT
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 import secrets
 import shutil
@@ -29,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jobs import SPEC, launch, sets
-from procs import read_metrics, train
+from procs import check, read_metrics, train
 
 from polytrain.checkpoint import read_model
 
@@ -131,3 +134,20 @@ def test_a_lost_node_whose_workers_fit_the_nodes_left_restarts_there_and_ends_wi
     assert manifest["world_size"] == 2 and sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_a_sweep_on_the_two_node_cluster_runs_a_trial_on_each_host(cluster, ray_cluster: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = launch(cluster, "sweep", str(SPEC), "--grid", "optimizer.lr=0.02,0.05", "--ray-address",
+                  f"{cluster.hosts[0].addr}:{PORT}", *sets(f"output={out}", *EPOCHS), env=ray_cluster).check(timeout=300)
+    rows = list(csv.DictReader((out / "sweep" / "sweep.csv").open()))
+    assert [row["status"] for row in rows] == ["done", "done"], done.text()
+    assert sorted(row["node"] for row in rows) == sorted(host.addr for host in cluster.hosts), rows
+    for row in rows:  # each trial trained what its point's run on one process of this host trains
+        alone = tmp_path / f"alone-{row['trial']}"
+        check(train(alone, [f"optimizer.lr={row['optimizer.lr']}", *EPOCHS], spec=SPEC))
+        assert float(row["val_accuracy"]) == max(r["val_accuracy"] for r in read_metrics(alone, "epoch")), row
+    best = [row for row in rows if row["best"] == "True"]
+    assert len(best) == 1 and float(best[0]["val_accuracy"]) == max(float(row["val_accuracy"]) for row in rows)
+    assert all(host.addr in done.stdout for host in cluster.hosts), done.stdout  # the table's node column
