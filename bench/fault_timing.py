@@ -63,8 +63,9 @@ def make(info, hidden: int = 64):  # noqa: ANN001, ANN201 - the model factory th
             if self.training:
                 self.calls += 1
                 rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
-                if rank == "1" and self.calls == 7:
-                    Path(os.environ["FAULT_STAMP"]).write_text(repr(time.time()))
+                stamp = Path(os.environ["FAULT_STAMP"])
+                if rank == "1" and self.calls == 7 and not stamp.exists():  # once: a restarted group trains on
+                    stamp.write_text(repr(time.time()))
                     fault = os.environ["FAULT"]
                     if fault == "kill":
                         os.kill(os.getpid(), signal.SIGKILL)
