@@ -54,7 +54,10 @@ def import_ray() -> Any:
 
 
 #: backends that take their ranks from an MPI launcher, not from Ray's workers
-MPI_LAUNCHED = {("tensorflow", "mpi"), ("tensorflow", "horovod")}
+#: backends that take their ranks from an MPI launcher, and what runs on Ray instead (torch's horovod backend runs
+#: polytrain's implementation over gloo there; TensorFlow's needs MPI)
+MPI_LAUNCHED = {("tensorflow", "mpi"): "tf-multiworker", ("tensorflow", "horovod"): "tf-multiworker",
+                ("torch", "mpi"): "ddp"}
 
 
 def _spec_output(program: list[str]) -> Path | None:
@@ -69,7 +72,7 @@ def _spec_output(program: list[str]) -> Path | None:
         return None
     if (spec.framework, spec.backend) in MPI_LAUNCHED:
         raise LaunchError(f"--launcher ray: backend {spec.backend!r} takes its ranks from an MPI launcher (mpirun, "
-                          f"horovodrun); on Ray use backend 'tf-multiworker'")
+                          f"horovodrun); on Ray use backend '{MPI_LAUNCHED[spec.framework, spec.backend]}'")
     return Path(spec.output).absolute()
 
 

@@ -58,6 +58,9 @@ def test_without_restarts_a_killed_rank_fails_the_job_naming_it(tmp_path: Path) 
     ([], {"framework": "tensorflow", "backend": "mpi"},
      "polytrain: error: --launcher ray: backend 'mpi' takes its ranks from an MPI launcher (mpirun, horovodrun); "
      "on Ray use backend 'tf-multiworker'"),
+    ([], {"framework": "torch", "backend": "mpi"},
+     "polytrain: error: --launcher ray: backend 'mpi' takes its ranks from an MPI launcher (mpirun, horovodrun); "
+     "on Ray use backend 'ddp'"),
 ])
 def test_refused_before_ray_starts(tmp_path: Path, flags: list[str], spec: dict, line: str) -> None:
     refused = launch(tmp_path, {**SPEC, "output": str(tmp_path / "out"), **spec}, *flags)
