@@ -21,6 +21,7 @@ from typing import Any
 from polytrain import checkpoint as ckpt
 from polytrain import loop_checkpoints
 from polytrain.callbacks import RunHooks
+from polytrain.checkpoint_writer import BackgroundWrite
 from polytrain.data.fingerprint import changes
 from polytrain.environments import restart_count
 from polytrain.errors import TrainingFailure
@@ -75,6 +76,8 @@ class RunCheckpoints:
         #: rank 0's tracker runs by tracker name, kept in every checkpoint; those a resumed checkpoint kept
         self.trackers = Trackers()
         self.resumed_trackers: dict[str, str] = {}
+        #: ``checkpoint.async_save``: the save still being written (its step; rank 0 holds the write itself)
+        self._pending: tuple[int, Path, BackgroundWrite | None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -232,11 +235,37 @@ class RunCheckpoints:
     # ------------------------------------------------------------------ saves
     def save(self, pos: Position, root: Path | None = None) -> Path:
         """A resumable checkpoint of ``pos`` under checkpoint.dir (or ``root``, the best checkpoints'); every rank
-        takes part, the callbacks hear of it. Returns the directory (the same path on every rank)."""
+        takes part, the callbacks hear of it once it is written. Returns the directory (the same path on every
+        rank). With ``checkpoint.async_save`` a regular save is written in the background (see `settle`); the
+        best checkpoints, whose index names them at once, are written before this returns."""
+        background = self.spec.checkpoint.async_save and root is None
         with self.timeline.span("checkpoint", "checkpoint", step=pos.step):
-            path = self._write(pos, root)
-        self.hooks.callbacks.call("on_checkpoint", pos.step, path)
+            self.settle()  # one write at a time, and a failed one is known everywhere before the next
+            path = self._write(pos, root, background)
+        if not background:
+            self._written(pos.step, path)
         return path
+
+    def settle(self) -> None:
+        """Wait for the save being written in the background, if any: every rank learns whether it failed (raised
+        as its one-line failure on every rank), then it is logged and the callbacks hear of it. Every rank calls
+        this at the same points: before each save and at the end of the run."""
+        if self._pending is None:
+            return
+        (step, path, write), self._pending = self._pending, None
+        settled(self.backend, self.world.size, lambda: write.result() if write is not None else None)
+        self._written(step, path)
+
+    def abandon(self) -> None:
+        """A failing run: let a write in progress end (or fail) on its own, without telling the other ranks."""
+        if self._pending is not None and self._pending[2] is not None:
+            self._pending[2].wait_quietly()
+        self._pending = None
+
+    def _written(self, step: int, path: Path) -> None:
+        if self.world.rank == 0:
+            self.log.write("checkpoint", step=step, path=str(path))
+        self.hooks.callbacks.call("on_checkpoint", step, path)
 
     def save_best(self, pos: Position, record: dict[str, Any]) -> None:
         """After a validation: a checkpoint under ``best/`` when the monitored value is among the top k."""
@@ -251,25 +280,31 @@ class RunCheckpoints:
             best.keep(path, pos.step, record["epoch"], value)
             self.log.write("best_checkpoint", step=pos.step, monitor=best.monitor, value=value, path=str(path))
 
-    def _write(self, pos: Position, best_root: Path | None = None) -> Path:
-        """Every rank takes part (state gathering is collective); rank 0 writes."""
+    def _write(self, pos: Position, best_root: Path | None = None, background: bool = False) -> Path:
+        """Every rank takes part (state gathering is collective); rank 0 writes, now or on a thread of its own."""
         self.activity.set(f"the checkpoint at step {pos.step}")
-        model = self.framework.export_state()
+        model = self.framework.export_state()  # copies: the loop may go on training while they are written
         optimizer = self.framework.export_optimizer_state()
         rng = self.backend.all_gather_object(self.framework.rng_state())
         root = best_root or self.spec.checkpoint_dir
+        path = root / ckpt.step_dir_name(pos.step)
         if best_root is None:
             self.last_saved = pos.step
+        if background:
+            manifest = self._manifest(pos, rng) if self.world.rank == 0 else {}  # taken now, not as it later is
+            write = BackgroundWrite(lambda: self._commit(pos, root, best_root, model, optimizer, manifest),
+                                    pos.step) if self.world.rank == 0 else None
+            self._pending = (pos.step, path, write)
+            return path
         # rank 0 writes; every rank learns at once whether it could (a full disk is not a timeout elsewhere)
         settled(self.backend, self.world.size,
-                lambda: self._write_files(pos, root, best_root, model, optimizer, rng) if self.world.rank == 0
-                else None)
-        return root / ckpt.step_dir_name(pos.step)
+                lambda: self._commit(pos, root, best_root, model, optimizer, self._manifest(pos, rng))
+                if self.world.rank == 0 else None)
+        return path
 
-    def _write_files(self, pos: Position, root: Path, best_root: Path | None, model: dict[str, Any],
-                     optimizer: dict[str, Any], rng: list[Any]) -> Path:
+    def _manifest(self, pos: Position, rng: list[Any]) -> dict[str, Any]:
         steps = self.steps
-        manifest = {
+        return {
             **self._describe(), "epoch": pos.epoch, "step_in_epoch": pos.step_in_epoch,
             "samples_in_epoch": min(pos.step_in_epoch * steps.global_batch, steps.per_epoch * steps.global_batch),
             "global_batch": steps.global_batch, "rng_states": rng,
@@ -279,6 +314,9 @@ class RunCheckpoints:
             "early_stopping": self.hooks.early_stopping.state() if self.hooks.early_stopping is not None else None,
             "dataset": self.dataset,
         }
+
+    def _commit(self, pos: Position, root: Path, best_root: Path | None, model: dict[str, Any],
+                optimizer: dict[str, Any], manifest: dict[str, Any]) -> Path:
         try:
             path = ckpt.save_checkpoint(root, pos.step, {"model": model, "optimizer": optimizer}, manifest,
                                         keep_last=None if best_root else self.spec.checkpoint.keep_last,
@@ -290,7 +328,6 @@ class RunCheckpoints:
                 f"checkpoint.dir: cannot write the checkpoint of step {pos.step} under {root} "
                 f"({exc.strerror or exc}); {previous}; free space or choose another checkpoint.dir, then "
                 "resume with --resume auto") from exc
-        self.log.write("checkpoint", step=pos.step, path=str(path))
         return path
 
     def _describe(self) -> dict[str, Any]:

@@ -173,6 +173,9 @@ class CheckpointSpec:
     mode: str = rule("min", choices=MODES)
     save_top_k: int = rule(1, min=1)
     save_last: bool = False
+    # write regular checkpoints on a background thread while training goes on (the state is copied first; one
+    # write at a time; a failed write ends the run on every rank at the next save or at the end)
+    async_save: bool = False
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,7 @@ class Trainer:
                                        reliability.stall_warning_s, reliability.collective_timeout_s)
         try:
             result = self._loop(data, start)
+            self.checkpoints.settle()  # the last background checkpoint write, done and known to every rank
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
@@ -207,13 +208,12 @@ class Trainer:
         return start
 
     def _tear_down(self, raising: bool) -> None:
-        """End everything `fit` started before it returns or raises, users before what they use: the watchdog's
-        thread and its store, the log, the data threads, the framework's hold on the wrapped model (DDP, FSDP and
-        DeepSpeed keep the process group through it), then the backend's process groups and stores. A gloo
-        thread still running when the interpreter finalises aborts the process (SIGABRT after a finished run).
-        Every step runs; the first failure is raised afterwards, unless `fit` is already ``raising``."""
-        ends = (self.watchdog.close if self.watchdog is not None else None, self.profiler.close,
-                lambda: self.trackers.finish(failed=raising), self.log.close,
+        """End everything `fit` started, users before what they use: a background checkpoint write, the watchdog,
+        the log, the data threads, the framework's hold on the wrapped model (DDP, FSDP, DeepSpeed keep the process
+        group through it), the backend's groups and stores (a live gloo thread at exit aborts the process). Every
+        step runs; the first failure is raised afterwards, unless `fit` is already ``raising``."""
+        ends = (self.checkpoints and self.checkpoints.abandon, self.watchdog and self.watchdog.close,
+                self.profiler.close, lambda: self.trackers.finish(failed=raising), self.log.close,
                 self.prefetcher.close if self.prefetcher is not None else None,
                 self.framework.release if self.framework is not None else None, self.backend.teardown)
         failure: Exception | None = None

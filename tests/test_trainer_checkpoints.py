@@ -80,15 +80,51 @@ def test_without_checkpointing_nothing_is_saved_but_the_model(tmp_path: Path) ->
     assert json.loads((Path(spec.output) / "model.json").read_text())["global_step"] == 3
 
 
-def test_a_checkpoint_that_cannot_be_written_fails_naming_the_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_checkpoint_that_cannot_be_written_fails_naming_the_step(tmp_path: Path, background: bool) -> None:
     (tmp_path / "file").write_text("x")
     root = tmp_path / "file" / "ckpt"
-    spec = make_spec(tmp_path / "out", checkpoint={"every_n_steps": 2, "dir": str(root)})
+    spec = make_spec(tmp_path / "out", checkpoint={"every_n_steps": 2, "dir": str(root), "async_save": background})
     error, job = fit_fails(spec, TrainingFailure)
     assert str(error).startswith(f"checkpoint.dir: cannot write the checkpoint of step 2 under {root} (")
     assert str(error).endswith("); no earlier checkpoint exists; free space or choose another checkpoint.dir, "
                                "then resume with --resume auto")
-    assert len(job.fw.calls.lrs) == 2 and job.be.teardown_calls == 1
+    # written in the background, the failure is known at the next save (step 4), before it is written
+    assert len(job.fw.calls.lrs) == (4 if background else 2) and job.be.teardown_calls == 1
+
+
+def test_async_saves_write_what_sync_saves_write(tmp_path: Path) -> None:
+    """Written on a thread while training goes on, each checkpoint holds the state of its own step: the same
+    tensors and manifest (but the run id) as a synchronous save; logged and called back once written, in order."""
+    specs = {mode: make_spec(tmp_path / mode, **{**RESUMABLE, "checkpoint": {
+        "every_n_steps": 2, "keep_last": 10, "async_save": mode == "async"}}) for mode in ("sync", "async")}
+    heard: dict[str, list[int]] = {}
+    for mode, spec in specs.items():
+        job = FakeJob(framework_options={"noise": 0.01})
+        result, _ = fit(spec, job=job, callbacks=[Heard(heard.setdefault(mode, []))])
+        assert result.global_step == 14
+    assert saved_steps(specs["sync"]) == saved_steps(specs["async"]) == [2, 4, 6, 8, 10, 12, 14]
+    assert heard["sync"] == heard["async"] == [2, 4, 6, 8, 10, 12, 14]
+    assert [r["step"] for r in records(specs["async"], "checkpoint")] == [2, 4, 6, 8, 10, 12, 14]
+    for step in saved_steps(specs["sync"]):
+        one, two = (spec.checkpoint_dir / ckpt.step_dir_name(step) for spec in specs.values())
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            assert (one / name).read_bytes() == (two / name).read_bytes(), (step, name)
+        drop = {ckpt.RUN_KEY, "spec", "spec_digest", "files"}  # the spec differs in async_save, the run in its id
+        assert {k: v for k, v in manifest(specs["sync"], step).items() if k not in drop} == \
+            {k: v for k, v in manifest(specs["async"], step).items() if k not in drop}, step
+    assert not list(specs["async"].checkpoint_dir.glob(".tmp-*"))
+
+
+class Heard:
+    """A callback noting the step of every ``on_checkpoint``, and that the checkpoint is complete by then."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = steps
+
+    def on_checkpoint(self, run: Any, step: int, path: Path) -> None:
+        assert (path / "manifest.json").is_file(), path
+        self.steps.append(step)
 
 
 # --------------------------------------------------------------------------- resume

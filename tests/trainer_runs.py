@@ -64,10 +64,12 @@ def make_spec(output: Path, **changes: Any) -> TrainSpec:
 
 
 def fit(spec: TrainSpec, world: World = ONE, *, job: FakeJob | None = None, resume: str | None = None,
-        timeline: str | None = None, show_progress: bool = False, verbose: bool = False) -> tuple[TrainResult, FakeJob]:
+        timeline: str | None = None, show_progress: bool = False, verbose: bool = False,
+        callbacks: list[Any] | None = None) -> tuple[TrainResult, FakeJob]:
     job = job or FakeJob()
     trainer = Trainer(spec, world, show_progress=show_progress, resume=resume, timeline=timeline, verbose=verbose,
-                      backend_factory=job.backend_factory, framework_factory=job.framework_factory)
+                      backend_factory=job.backend_factory, framework_factory=job.framework_factory,
+                      callbacks=callbacks or ())
     return trainer.fit(), job
 
 

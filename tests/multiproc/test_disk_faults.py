@@ -41,15 +41,18 @@ def test_output_that_cannot_be_created_is_a_one_line_error(tmp_path: Path) -> No
         f"polytrain: error: output: cannot write to {blocker / 'run'} (Not a directory); choose a writable directory"]
 
 
-def test_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path: Path, background: bool) -> None:
+    """Written in the background (``checkpoint.async_save``) the failure is known at the next save: the same line."""
     out = tmp_path / "run"
-    check(train(out, [*SETS, "loop.max_steps=20"], timeout=200))
+    sets = [*SETS, f"checkpoint.async_save={str(background).lower()}"]
+    check(train(out, [*sets, "loop.max_steps=20"], timeout=200))
     root = out / "checkpoints"
     before = complete_checkpoints(root)
     assert [p.name for p in before] == ["step-00000010", "step-00000020"]
     model_bytes = (before[-1] / "model.safetensors").stat().st_size
     # resume with every file capped below a checkpoint's size: the save at step 30 fails
-    result = train(out, SETS, resume="auto", python=limited(tmp_path), env={"FILE_SIZE_LIMIT": str(model_bytes // 2)},
+    result = train(out, sets, resume="auto", python=limited(tmp_path), env={"FILE_SIZE_LIMIT": str(model_bytes // 2)},
                    timeout=200)
     assert result.returncode == 1, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
@@ -61,5 +64,5 @@ def test_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path: Pa
     assert (root / "latest").read_text().strip() == "step-00000020"
     manifest, _ = load_checkpoint(before[-1])  # verifies every file's checksum
     assert manifest["global_step"] == 20
-    check(train(out, SETS, resume="auto", timeout=200))  # space is back: the run continues from step 20 and finishes
+    check(train(out, sets, resume="auto", timeout=200))  # space is back: the run continues from step 20 and finishes
     assert json.loads((out / "model.json").read_text())["global_step"] == 90  # 2 epochs of ceil(1437 / 32)

@@ -74,12 +74,15 @@ def test_an_output_only_rank_0_cannot_make_ends_both_ranks(tmp_path: Path) -> No
     assert [last_line(r) for r in results] == [expected, expected]
 
 
-def test_a_checkpoint_only_rank_0_cannot_write_ends_both_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_checkpoint_only_rank_0_cannot_write_ends_both_ranks(tmp_path: Path, background: bool) -> None:
+    """Also when rank 0 writes it in the background: both ranks learn of it at the next save."""
     dirs = rank_dirs(tmp_path)
     wrapper = tmp_path / "limited.py"
     wrapper.write_text(LIMITED)
     out = tmp_path / "out"
-    results = two_ranks(dirs, train_args([f"output={out}", "checkpoint.every_n_steps=5"]), wrapper)
+    results = two_ranks(dirs, train_args([f"output={out}", "checkpoint.every_n_steps=5",
+                                          f"checkpoint.async_save={str(background).lower()}"]), wrapper)
     assert [r.returncode for r in results] == [1, 1], [r.stderr[-2000:] for r in results]
     lines = [last_line(r) for r in results]
     assert lines[0] == lines[1]
