@@ -12,14 +12,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 class BackgroundWrite:
     """``write`` started on a non-daemon thread (the interpreter waits for it, so a run that returns leaves no write
     half done); `result` joins it and returns the directory written, or raises what the write raised."""
 
-    def __init__(self, write: Callable[[], Path], step: int) -> None:
+    def __init__(self, write: Callable[[], Path], step: int, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
         self.step = step
+        #: the arrays being written (model, optimizer): the next save may fill them once this write is done
+        self.state = state
         self._path: Path | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(write,), name=f"polytrain-checkpoint-{step}")

@@ -107,14 +107,17 @@ class Framework(Protocol):
         that is computed per sample (`polytrain.objectives.computed`), by metric name."""
         ...
 
-    def export_state(self) -> dict[str, np.ndarray]:
-        """The full model as portable name → array (collective: every rank calls it)."""
+    def export_state(self, into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The full model as portable name → array, arrays of its own (collective: every rank calls it). ``into``:
+        an earlier export's arrays the caller gives up, which may be filled instead of new ones where name, shape
+        and dtype match (a background checkpoint save reuses its memory so)."""
         ...
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None: ...
 
-    def export_optimizer_state(self) -> dict[str, np.ndarray]:
-        """Optimizer state as ``<parameter name>/<slot>`` → array, portable (collective)."""
+    def export_optimizer_state(self, into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Optimizer state as ``<parameter name>/<slot>`` → array, portable (collective); ``into`` as in
+        `export_state`."""
         ...
 
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None: ...

@@ -78,6 +78,8 @@ class RunCheckpoints:
         self.resumed_trackers: dict[str, str] = {}
         #: ``checkpoint.async_save``: the save still being written (its step; rank 0 holds the write itself)
         self._pending: tuple[int, Path, BackgroundWrite | None] | None = None
+        #: the arrays of the last background write, once written: the next save copies into them
+        self._spare: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
 
     @property
     def enabled(self) -> bool:
@@ -254,6 +256,7 @@ class RunCheckpoints:
             return
         (step, path, write), self._pending = self._pending, None
         settled(self.backend, self.world.size, lambda: write.result() if write is not None else None)
+        self._spare = write.state if write is not None else ({}, {})
         self._written(step, path)
 
     def abandon(self) -> None:
@@ -283,8 +286,9 @@ class RunCheckpoints:
     def _write(self, pos: Position, best_root: Path | None = None, background: bool = False) -> Path:
         """Every rank takes part (state gathering is collective); rank 0 writes, now or on a thread of its own."""
         self.activity.set(f"the checkpoint at step {pos.step}")
-        model = self.framework.export_state()  # copies: the loop may go on training while they are written
-        optimizer = self.framework.export_optimizer_state()
+        spare, self._spare = self._spare, ({}, {})
+        model = self.framework.export_state(spare[0])  # copies: the loop may train on while they are written
+        optimizer = self.framework.export_optimizer_state(spare[1])
         rng = self.backend.all_gather_object(self.framework.rng_state())
         root = best_root or self.spec.checkpoint_dir
         path = root / ckpt.step_dir_name(pos.step)
@@ -293,7 +297,7 @@ class RunCheckpoints:
         if background:
             manifest = self._manifest(pos, rng) if self.world.rank == 0 else {}  # taken now, not as it later is
             write = BackgroundWrite(lambda: self._commit(pos, root, best_root, model, optimizer, manifest),
-                                    pos.step) if self.world.rank == 0 else None
+                                    pos.step, (model, optimizer)) if self.world.rank == 0 else None
             self._pending = (pos.step, path, write)
             return path
         # rank 0 writes; every rank learns at once whether it could (a full disk is not a timeout elsewhere)

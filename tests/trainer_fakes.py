@@ -232,7 +232,7 @@ class FakeFramework:
         return {"loss": (float(losses.sum()), float(len(x))), "accuracy": (float((pred == y).sum()), float(len(x)))}
 
     # ------------------------------------------------------------------ state
-    def export_state(self) -> dict[str, np.ndarray]:
+    def export_state(self, into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         self.calls.exported += 1
         return {k: v.copy() for k, v in self.params.items()}
 
@@ -240,7 +240,7 @@ class FakeFramework:
         self.calls.loaded += 1
         self.params = {k: np.array(state[k], dtype=np.float32) for k in self.params}
 
-    def export_optimizer_state(self) -> dict[str, np.ndarray]:
+    def export_optimizer_state(self, into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         return {f"{k}/momentum_buffer": v.copy() for k, v in self.momentum.items()}
 
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:

@@ -192,7 +192,7 @@ class TensorFlowFramework:
             totals = self._eval_fn(*self._inputs(x, y))
         return {name: (float(total), float(count)) for name, (total, count) in totals.items()}
 
-    def export_state(self) -> dict[str, np.ndarray]:
+    def export_state(self, into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         return {e.name: to_portable(np.asarray(e.variable.numpy()), e.layout) for e in self.entries}
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
@@ -234,7 +234,7 @@ class TensorFlowFramework:
         by_id = {id(e.variable): e for e in self._unique_entries()}
         return [by_id[id(v)] for v in self.trainable]
 
-    def export_optimizer_state(self) -> dict[str, np.ndarray]:
+    def export_optimizer_state(self, into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """``<portable name>/<torch.optim state key>`` → array, moments in the portable layout."""
         out = {}
         for i, entry in enumerate(self._trainable_entries()):
