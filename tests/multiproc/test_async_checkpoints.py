@@ -40,3 +40,8 @@ def test_a_kill_during_a_background_save_keeps_the_previous_checkpoint_and_resum
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     assert not list(root.glob(".tmp-step-*"))  # the resumed run's saves cleared the dead write's leftovers
+    # its later saves copied into the arrays of the save before: the last one holds the final weights
+    saved, tensors = load_checkpoint(complete_checkpoints(root)[-1])
+    assert saved["global_step"] == 12
+    for name in want:
+        np.testing.assert_array_equal(tensors["model"][name], want[name], err_msg=name)
