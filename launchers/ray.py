@@ -53,7 +53,6 @@ def import_ray() -> Any:
     return ray
 
 
-#: backends that take their ranks from an MPI launcher, not from Ray's workers
 #: backends that take their ranks from an MPI launcher, and what runs on Ray instead (torch's horovod backend runs
 #: polytrain's implementation over gloo there; TensorFlow's needs MPI)
 MPI_LAUNCHED = {("tensorflow", "mpi"): "tf-multiworker", ("tensorflow", "horovod"): "tf-multiworker",

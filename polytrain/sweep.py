@@ -176,7 +176,7 @@ def _best(rows: list[dict[str, Any]], mode: str) -> int | None:
 
 
 def _print_table(rows: list[dict[str, Any]], best: int | None, metric: str, keys: list[str]) -> None:
-    nodes = len({row["node"] for row in rows}) > 1
+    nodes = len({row["node"] for row in rows if row["node"]}) > 1  # a trial that never reported has none
     header = ["", "trial", *keys, *(["node"] if nodes else []), metric, "status"]
     table = [[("*" if i == best else ""), str(row["trial"]), *(row["point"][k] for k in keys),
               *([row["node"] or "-"] if nodes else []), "-" if row["value"] is None else f"{row['value']:.4f}",
