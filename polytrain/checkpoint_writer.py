@@ -20,7 +20,6 @@ class BackgroundWrite:
     half done); `result` joins it and returns the directory written, or raises what the write raised."""
 
     def __init__(self, write: Callable[[], Path], step: int, state: tuple[dict[str, Any], dict[str, Any]]) -> None:
-        self.step = step
         #: the arrays being written (model, optimizer): the next save may fill them once this write is done
         self.state = state
         self._path: Path | None = None
