@@ -9,6 +9,8 @@ No Docker engine runs here, so an image is held to what can be read:
   versions           the *_VERSION ARGs equal constraints.txt's pins
   setup-sh           the venv is made by scripts/setup.sh (POLYTRAIN_VENV=/opt/polytrain); no other pip install
   entrypoint         the final stage's ENTRYPOINT (exec form) runs polytrain or docker/entrypoint.sh
+  install-cache      no builder COPY before setup.sh sends polytrain's code (polytrain/, adapters/, launchers/,
+                     or the whole context), so an edit to it does not reinstall the venv
   dockerignore       .dockerignore keeps .venv, .git and runs/ out of the build context
 Each rule is shown to fire by breaking it in a copy of a real Dockerfile.
 """
@@ -207,12 +209,30 @@ def check_entrypoint(stages: list[Stage]) -> list[Violation]:
     return [Violation("entrypoint", f"ENTRYPOINT runs {command[0]}, not polytrain or docker/entrypoint.sh")]
 
 
+SOURCE_TREES = ("polytrain", "adapters", "launchers", ".")
+
+
+def check_install_cache(stages: list[Stage]) -> list[Violation]:
+    problems = []
+    for stage in stages[:-1]:
+        for item in stage.instructions:
+            if item["instruction"] == "RUN" and re.search(r"(^|\s)(\./)?scripts/setup\.sh\b", item["value"]):
+                break
+            if item["instruction"] != "COPY" or "--from=" in item["value"]:
+                continue
+            sources = [word for word in item["value"].split()[:-1] if not word.startswith("--")]
+            problems += [f"the builder copies {source} before setup.sh" for source in sources
+                         if source.rstrip("/") in SOURCE_TREES]
+    return [Violation("install-cache", p) for p in problems]
+
+
 def check_dockerfile(text: str, constraints: str) -> list[Violation]:
     stages = parse_stages(text)
     if not stages:
         return [Violation("multi-stage", "no FROM")]
     return (check_pinned_bases(stages) + check_multi_stage(stages) + check_toolchain(stages) + check_user(stages)
-            + check_versions(stages, constraint_pins(constraints)) + check_setup_sh(stages) + check_entrypoint(stages))
+            + check_versions(stages, constraint_pins(constraints)) + check_setup_sh(stages) + check_entrypoint(stages)
+            + check_install_cache(stages))
 
 
 def check_dockerignore(text: str) -> list[Violation]:
@@ -269,6 +289,9 @@ BREAKS = [
     ("cuda", "ENV POLYTRAIN_VENV=/opt/polytrain \\\n    POLYTRAIN_CACHE=", "ENV POLYTRAIN_CACHE=", "setup-sh"),
     ("cpu", 'ENTRYPOINT ["polytrain-entrypoint"]', 'ENTRYPOINT ["python"]', "entrypoint"),
     ("cuda", 'ENTRYPOINT ["polytrain-entrypoint"]', "ENTRYPOINT polytrain", "entrypoint"),
+    ("cpu", "COPY polytrain/version.py polytrain/", "COPY polytrain/ polytrain/", "install-cache"),
+    ("cuda", "COPY scripts/ scripts/", "COPY . ./", "install-cache"),
+    ("cpu", "COPY scripts/ scripts/", "COPY scripts/ launchers ./", "install-cache"),
 ]
 
 
