@@ -12,13 +12,13 @@ torch = pytest.importorskip("torch")
 
 from polytrain import cli, validation  # noqa: E402
 from polytrain.plan import candidates as cand  # noqa: E402
+from polytrain.plan import memory  # noqa: E402
 from polytrain.plan.census import Param, take_census  # noqa: E402
-from polytrain.plan.command import plan, predict  # noqa: E402
+from polytrain.plan.command import plan, predict, table  # noqa: E402
 from polytrain.plan.comms import Link, parse_link, wire_factor  # noqa: E402
 from polytrain.plan.memory import (  # noqa: E402
     Layout,
     Precision,
-    deepspeed_estimator_view,
     fsdp_shard,
     model_states,
     zero3_partition,
@@ -78,7 +78,8 @@ def test_model_states_by_optimizer_and_precision() -> None:
     assert fsdp.model_states == 16 * (16 * 64 + 16)
     bf16 = model_states(Layout("deepspeed", stage=3, data=4), params, Precision("bf16", 8), 4,
                         {"persistence_threshold": 0})
-    assert (bf16.params, bf16.grads, bf16.master, bf16.optimizer) == (2 * n / 4, 4 * n / 4, 4 * n / 4, 8 * n / 4)
+    assert (bf16.params, bf16.grads, bf16.master, bf16.optimizer) == (2 * n / 4, 2 * n / 4, 4 * n / 4, 8 * n / 4)
+    assert bf16.temporary[memory.FP32_GRADS] == 4 * n / 4  # made from the bf16 partition for the optimizer step
 
 
 def test_census_counts_the_real_model_and_its_saved_tensors(lm_spec, lm_census) -> None:  # noqa: ANN001
@@ -141,6 +142,24 @@ def test_parameters_that_do_not_fit_sharded_get_model_parallel_or_offload(lm_spe
     assert doc["layouts"][0]["reason"].startswith("needs ")
 
 
+def test_host_memory_rules_out_offload_that_a_node_cannot_hold(lm_spec, lm_census, lm_plan) -> None:  # noqa: ANN001
+    """With --host-memory, a row fits only where the node's ranks' offloaded states fit it too: 4 ranks on one
+    node, each with ``host_bytes`` in host memory."""
+    offloads = [row for row in lm_plan["layouts"] if row["host_bytes"] > 0]
+    smallest = min(row["host_bytes"] for row in offloads)
+    assert lm_plan["host_memory"] is None and all(row["fits"] for row in offloads)
+    doc = plan(lm_spec, 4, 1, 80 * GiB, Link(), lm_census, host_memory=4 * smallest - 1)
+    rows = {row["layout"]: row for row in doc["layouts"]}
+    assert all(not rows[row["layout"]]["fits"] for row in offloads)
+    assert all(rows[row["layout"]]["reason"].startswith("its host memory: 4 rank(s)") for row in offloads)
+    assert all(row["fits"] for row in doc["layouts"] if row["host_bytes"] == 0)
+    assert doc["layouts"][-1]["host_bytes"] > 0  # what does not fit comes last
+    # on 2 nodes, 2 ranks share a node's memory: twice the smallest offload fits there
+    two = plan(lm_spec, 4, 2, 80 * GiB, Link(), lm_census, host_memory=2 * smallest)
+    assert all(row["fits"] == (row["host_bytes"] <= smallest) for row in two["layouts"])
+    assert "per node for offloaded states" in table(doc) and "not checked" in table(lm_plan)
+
+
 def test_recommended_overrides_run_the_layout(lm_spec, lm_plan) -> None:  # noqa: ANN001
     from polytrain.spec_files import apply_overrides
 
@@ -166,6 +185,17 @@ def test_a_user_factory_and_tensor_plan(monkeypatch: pytest.MonkeyPatch) -> None
     assert whole["parameters"] / 2 < split["parameters"] < whole["parameters"]  # up/down split, inp/out whole
     assert split["comm_payload"]["allreduce"] > rows["ddp T1×P2×D2"]["comm_payload"]["allreduce"]
     assert rows["ddp T1×P4×D1"]["comm_payload"]["p2p"] > 0
+
+
+def deepspeed_estimator_view(pred: memory.Prediction) -> float:
+    """The device bytes DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` counts for a bf16/fp16 row: model
+    states, plus ZeRO-3's largest gathered module (its ``largest_layer_memory``), with the gradients counted as it
+    counts them: the fp32 partition, and at ZeRO-1/2 a low-precision partition too (a rank holds those whole where
+    they reach into its partition: ``pred.grads``)."""
+    gathered = pred.temporary.get("gathered module (parameters + gradients)", 0.0)
+    fp32 = pred.temporary.get(memory.FP32_GRADS, 0.0)
+    grads = fp32 * (2 + 4) / 4 if (pred.layout.stage or 0) <= 2 else fp32
+    return pred.params + pred.master + pred.optimizer + grads + gathered
 
 
 @pytest.mark.parametrize("stage, offload", [(2, ""), (2, "optimizer"), (3, ""), (3, "optimizer"),
@@ -215,6 +245,7 @@ def test_command_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path) ->
 
 @pytest.mark.parametrize("argv, words", [
     (["-np", "2", "--device-memory", "80"], "--device-memory: expected a positive size with a unit"),
+    (["-np", "2", "--host-memory", "lots"], "--host-memory: expected a positive size with a unit"),
     (["-np", "2", "--link", "intra=fast"], "--link: intra must be a positive number"),
     (["-np", "2", "--link", "wan=3"], "--link: expected intra=GB/s"),
     (["-np", "0"], "-np: expected a positive number of ranks"),

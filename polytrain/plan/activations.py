@@ -10,6 +10,10 @@ from collections.abc import Sequence
 
 from polytrain.plan.census import Census, Param
 
+#: backends whose bf16/fp16 runs compute in that dtype (fsdp's MixedPrecisionPolicy casts the parameters it
+#: gathers, DeepSpeed keeps bf16/fp16 weights); the rest compute under autocast from fp32 weights
+NATIVE_BACKENDS = ("fsdp", "deepspeed")
+
 
 def global_batch(spec_batch: int, spec_global: int | None, data: int, accum: int) -> int:
     """Samples per optimizer step of a spec whose layout has ``data`` data ranks: ``data.global_batch_size``, or
@@ -46,11 +50,12 @@ def stage_params(census: Census, tensor: int, blocks: range, first: bool, last: 
 
 
 def activations(census: Census, tensor: int, checkpointing: bool, batch: float, blocks: range | None = None,
-                first: bool = True, last: bool = True) -> tuple[float, float]:
+                first: bool = True, last: bool = True, native: bool = False) -> tuple[float, float]:
     """(bytes kept for the backward pass of one micro-batch of ``batch`` samples, the largest block's recompute
     under checkpointing) for a tensor-parallel rank of degree ``tensor`` holding ``blocks`` (all of them without a
-    pipeline)."""
-    trace = census.traces[tensor]
+    pipeline); ``native``: a backend computing in the low precision itself, not under autocast (`NATIVE_BACKENDS`;
+    the tensor-parallel degrees are traced under autocast only)."""
+    trace = census.native if native and tensor == 1 and census.native is not None else census.traces[tensor]
     blocks = range(census.n_blocks) if blocks is None else blocks
     total = (trace.pre.at(batch) if first else 0.0) + (trace.post.at(batch) if last else 0.0)
     if checkpointing and census.n_blocks:

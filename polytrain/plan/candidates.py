@@ -188,22 +188,31 @@ def overrides(spec: TrainSpec, layout: Layout, samples: int | None = None) -> li
     return out
 
 
-def rank(predictions: list[Prediction], limit: float) -> list[Prediction]:
+def fits(pred: Prediction, limit: float, host: float | None = None, per_node: int = 1) -> bool:
+    """Whether a layout fits a device of ``limit`` bytes and, given ``host``, a node whose ``per_node`` ranks keep
+    their offloaded states in ``host`` bytes of memory."""
+    return pred.device <= limit and (host is None or pred.host * per_node <= host)
+
+
+def rank(predictions: list[Prediction], limit: float, host: float | None = None,
+         per_node: int = 1) -> list[Prediction]:
     """Fitting layouts first (simplest, then the shortest estimated step, then least memory), then the rest by
     memory."""
-    fits = [p for p in predictions if p.device <= limit]
-    rest = [p for p in predictions if p.device > limit]
-    fits.sort(key=lambda p: (tier(p.layout), p.layout.checkpointing, round(p.step_seconds, 9), p.device))
+    ok = [p for p in predictions if fits(p, limit, host, per_node)]
+    rest = [p for p in predictions if not fits(p, limit, host, per_node)]
+    ok.sort(key=lambda p: (tier(p.layout), p.layout.checkpointing, round(p.step_seconds, 9), p.device))
     rest.sort(key=lambda p: p.device)
-    return fits + rest
+    return ok + rest
 
 
-def why_not(pred: Prediction, limit: float) -> str:
+def why_not(pred: Prediction, limit: float, host: float | None = None, per_node: int = 1) -> str:
     """The reason a layout does not fit, in words (empty when it fits)."""
-    if pred.device <= limit:
-        return ""
-    part, size = pred.largest_part()
-    return f"needs {gib(pred.device)} > {gib(limit)} (largest: {part} {gib(size)})"
+    if pred.device > limit:
+        part, size = pred.largest_part()
+        return f"needs {gib(pred.device)} > {gib(limit)} (largest: {part} {gib(size)})"
+    if not fits(pred, limit, host, per_node):
+        return f"its host memory: {per_node} rank(s) × {gib(pred.host)} offloaded > {gib(host or 0)} per node"
+    return ""
 
 
 def gib(nbytes: float) -> str:

@@ -3,7 +3,8 @@ and one traced forward (and, under tensor parallel, backward) per tensor-paralle
 
 The model is built the way the Trainer builds it (the zoo, or ``package.module:factory``), under torch's
 `FakeTensorMode`: every tensor has a shape, a dtype and a (meta) storage, none has data. The traced forward runs
-the model and the spec's loss on fake inputs of 1 and 2 samples under the spec's autocast; saved-tensor hooks
+the model and the spec's loss on fake inputs of 1 and 2 samples (`polytrain.plan.trace`) under the spec's autocast,
+and under bf16/fp16 once more with the model cast to that dtype (how fsdp and DeepSpeed compute); saved-tensor hooks
 record every storage autograd keeps for the backward pass (parameters excluded), and module hooks say in which
 region it was saved: before the first declared block (``block_classes``), inside block ``i``, or after the last
 block (head and loss). What a run holds is linear in the batch, so the two traces give a constant and a
@@ -21,15 +22,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from polytrain.errors import SpecError
+from polytrain.plan.trace import Trace, example_batch, local_tensor, trace_model
 from polytrain.spec import TrainSpec
-
-#: region of a saved tensor: before the first block, inside block i (0..n-1), after the last block
-PRE, POST = -1, 1 << 30
-TRACE_BATCHES = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -57,46 +55,6 @@ class Param:
 
 
 @dataclass(frozen=True)
-class Linear:
-    """``const + per_sample × batch`` bytes."""
-
-    const: float = 0.0
-    per_sample: float = 0.0
-
-    def at(self, batch: float) -> float:
-        return max(self.const + self.per_sample * batch, 0.0)
-
-    def __add__(self, other: Linear) -> Linear:
-        return Linear(self.const + other.const, self.per_sample + other.per_sample)
-
-
-def _fit(at1: float, at2: float) -> Linear:
-    return Linear(2 * at1 - at2, at2 - at1)
-
-
-@dataclass(frozen=True)
-class Trace:
-    """What one forward keeps for the backward pass, per region, as a function of the batch (see the module)."""
-
-    pre: Linear
-    post: Linear
-    blocks: tuple[Linear, ...]  # saved inside block i
-    #: block i's input, unless saved before or after the blocks or as an earlier block's input: what activation
-    #: checkpointing keeps of the block
-    block_inputs: tuple[Linear, ...]
-    block_outputs: tuple[Linear, ...]  # block i's output (a pipeline stage boundary)
-    #: DTensor collectives of one forward and backward: kind ("allreduce", "allgather", "reducescatter") → bytes
-    collectives: dict[str, Linear] = field(default_factory=dict)
-    flops: Linear = Linear()  # of one forward and the loss (torch's FLOP counter; the whole model's at T = 1)
-
-    def total(self) -> Linear:
-        out = self.pre + self.post
-        for block in self.blocks:
-            out = out + block
-        return out
-
-
-@dataclass(frozen=True)
 class Census:
     """The spec's model: parameters in order, the blocks, and a `Trace` per tensor-parallel degree."""
 
@@ -110,6 +68,8 @@ class Census:
     traces: dict[int, Trace]  # tensor degree → trace (1: the whole model)
     local_params: dict[int, tuple[Param, ...]]  # tensor degree → tensor rank 0's parameters (local shapes)
     tensor_degrees: tuple[int, ...]  # those the model allows (1 always)
+    #: the whole model computing natively in the spec's bf16/fp16 (`polytrain.plan.trace`); None in fp32
+    native: Trace | None = None
 
     @property
     def numel(self) -> int:
@@ -159,150 +119,15 @@ def _blocks(model: Any, spec: TrainSpec) -> list[Any]:
     return outer
 
 
-def _local(t: Any) -> Any:
-    return getattr(t, "_local_tensor", t)
-
-
-def _storage_key(t: Any) -> tuple[int, int]:
-    storage = _local(t).untyped_storage()
-    return storage._cdata, storage.nbytes()
-
-
 def _params(model: Any, blocks: list[Any]) -> tuple[Param, ...]:
     owner = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
     out = []
     for name, p in model.named_parameters():
-        grad = None if p.grad is None else _local(p.grad).numel()
-        shape = tuple(_local(p).shape)
+        grad = None if p.grad is None else local_tensor(p.grad).numel()
+        shape = tuple(local_tensor(p).shape)
         param = Param(name, shape, p.element_size(), owner.get(id(p)))
         out.append(param if grad in (None, param.numel) else Param(name, shape, p.element_size(), param.block, grad))
     return tuple(out)
-
-
-def _example(info: Any, batch: int) -> tuple[Any, Any]:
-    import torch
-
-    if info.task == "next_token":
-        return tuple(torch.zeros((batch, *info.input_shape), dtype=torch.long) for _ in range(2))
-    x = torch.zeros((batch, *info.input_shape))
-    y = torch.zeros((batch,), dtype=torch.long) if info.task == "classification" else torch.zeros((batch, 1))
-    return x, y
-
-
-class _Recorder:
-    """Saved-tensor and module hooks of one traced forward (see the module's docstring)."""
-
-    def __init__(self, model: Any, blocks: list[Any]) -> None:
-        self.params = {_storage_key(p)[0] for p in model.parameters()}
-        self.region = PRE
-        self.saved: dict[int, tuple[int, int]] = {}  # storage → (bytes, region)
-        self.inputs: list[tuple[int, int]] = []
-        self.outputs: list[int] = []
-        self.handles = []
-        for i, block in enumerate(blocks):
-            self.handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args)))
-            self.handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._leave(i, out)))
-        self.n_blocks = len(blocks)
-
-    def _enter(self, i: int, args: Any) -> None:
-        self.region = i
-        self.inputs.append(_storage_key(args[0]))
-
-    def _leave(self, i: int, out: Any) -> None:
-        self.region = POST if i == self.n_blocks - 1 else i
-        self.outputs.append(_local(out).numel() * _local(out).element_size())
-
-    def pack(self, t: Any) -> Any:
-        key, nbytes = _storage_key(t)
-        if key not in self.params and key not in self.saved:
-            self.saved[key] = (nbytes, self.region)
-        return t
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def regions(self) -> dict[str, Any]:
-        pre = sum(n for n, r in self.saved.values() if r == PRE)
-        post = sum(n for n, r in self.saved.values() if r == POST)
-        inside = [sum(n for n, r in self.saved.values() if r == i) for i in range(self.n_blocks)]
-        kept = {key for key, (_, r) in self.saved.items() if r in (PRE, POST)}
-        inputs = []
-        for key, n in self.inputs[:self.n_blocks]:
-            inputs.append(0 if key in kept else n)
-            kept.add(key)
-        outputs = list(self.outputs[:self.n_blocks])
-        return {"pre": pre, "post": post, "inside": inside, "inputs": inputs, "outputs": outputs}
-
-
-COLLECTIVE_KINDS = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
-                    "reduce_scatter_tensor": "reducescatter", "all_reduce_coalesced": "allreduce",
-                    "all_gather_into_tensor_coalesced": "allgather", "reduce_scatter_tensor_coalesced": "reducescatter"}
-
-
-def _collective_counter() -> Any:
-    """A dispatch mode adding up the bytes of each functional collective (what DTensor issues)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bytes: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            kind = COLLECTIVE_KINDS.get(func._schema.name.split("::")[-1]) \
-                if func.namespace == "_c10d_functional" else None
-            if kind is not None:
-                # the full tensor: an all-gather's output, a reduction's input
-                full = out if kind == "allgather" else args[0]
-                tensors = full if isinstance(full, (list, tuple)) else [full]
-                self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors)
-            return out
-
-    return Counter()
-
-
-def _trace_once(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], batch: int,
-                backward: bool) -> tuple[dict[str, Any], dict[str, int]]:
-    import torch
-
-    from polytrain import objectives
-    from polytrain.adapters.torch.objectives import loss_fn
-
-    loss = loss_fn(objectives.loss_name(spec.loss, info.task), None)
-    x, y = _example(info, batch)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
-    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    from torch.utils.flop_counter import FlopCounterMode
-
-    recorder = _Recorder(model, blocks)
-    counter = _collective_counter() if backward else FlopCounterMode(display=False)
-    try:
-        with counter:
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
-                with autocast:
-                    out = model(x)
-                value = loss(out.float(), y).sum()
-            if backward:
-                value.backward()
-    finally:
-        recorder.close()
-    found = dict(counter.bytes) if backward else {"flops": counter.get_total_flops()}
-    return recorder.regions(), found
-
-
-def _trace(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], backward: bool) -> Trace:
-    (r1, c1), (r2, c2) = (_trace_once(spec, info, model, blocks, b, backward) for b in TRACE_BATCHES)
-
-    def each(key: str) -> tuple[Linear, ...]:
-        return tuple(_fit(a, b) for a, b in zip(r1[key], r2[key]))
-
-    flops = _fit(c1.pop("flops", 0), c2.pop("flops", 0))
-    kinds = sorted(set(c1) | set(c2))
-    return Trace(pre=_fit(r1["pre"], r2["pre"]), post=_fit(r1["post"], r2["post"]), blocks=each("inside"),
-                 block_inputs=each("inputs"), block_outputs=each("outputs"),
-                 collectives={k: _fit(c1.get(k, 0), c2.get(k, 0)) for k in kinds}, flops=flops)
 
 
 def tensor_degrees(spec: TrainSpec, world_size: int) -> tuple[int, ...]:
@@ -386,15 +211,21 @@ def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None 
         params = _params(model, blocks)
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         embed, tied = _embed_names(model, info)
-        sample = tuple(t.numel() * t.element_size() for t in _example(info, 1))
-        traces[1], local[1] = _trace(spec, info, model, blocks, backward=False), params
+        sample = tuple(t.numel() * t.element_size() for t in example_batch(info, 1))
+        traces[1], local[1] = trace_model(spec, info, model, blocks, backward=False), params
+        native = None
+        if spec.precision in ("bf16", "fp16"):
+            cast = build_fake(spec, info)
+            for p in cast.parameters():  # not Module.to: it swaps tensors, which fake ones (weakly referenced) refuse
+                p.data = p.data.to(torch.bfloat16 if spec.precision == "bf16" else torch.float16)
+            native = trace_model(spec, info, cast, _blocks(cast, spec), backward=False, native=True)
     for degree in degrees:
         with _fake_group(degree) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
             split = _split_model(spec, info, degree, mesh)
             split_blocks = _blocks(split, spec)
-            traces[degree] = _trace(spec, info, split, split_blocks, backward=True)
+            traces[degree] = trace_model(spec, info, split, split_blocks, backward=True)
             local[degree] = _params(split, split_blocks)  # after the traced backward: gradients' layouts known
     return Census(model=spec.model.name, params=params, n_blocks=len(blocks), embed=embed, tied=tied,
                   buffer_bytes=buffers, sample_bytes=sample, traces=traces, local_params=local,
-                  tensor_degrees=(1, *degrees))
+                  tensor_degrees=(1, *degrees), native=native)
 

@@ -1,5 +1,5 @@
-"""``polytrain plan SPEC -np N [--nodes K] [--device-memory 80GiB] [--link intra=GB/s,inter=GB/s | --probe]
-[--device-tflops T] [--nvme-path DIR] [--json]``: which layouts fit, what each rank holds and sends per step,
+"""``polytrain plan SPEC -np N [--nodes K] [--device-memory 80GiB] [--host-memory SIZE]
+[--link intra=GB/s,inter=GB/s | --probe] [--device-tflops T] [--nvme-path DIR] [--json]``: which layouts fit, what each rank holds and sends per step,
 and the one to run.
 
 One census of the model (`census.take_census`), then for every candidate (`candidates.candidates`) the memory
@@ -44,6 +44,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                                                                         "(default: 1)")
     parser.add_argument("--device-memory", default="80GiB", metavar="SIZE",
                         help="memory of one device (default: %(default)s)")
+    parser.add_argument("--host-memory", default=None, metavar="SIZE",
+                        help="memory of one node for its ranks' offloaded states (default: not checked)")
     links = parser.add_mutually_exclusive_group()
     links.add_argument("--link", default=None, metavar="intra=GB/s,inter=GB/s[,host=GB/s][,drive=GB/s]",
                        help="bandwidths of the link model (default: intra=100,inter=12.5,host=25,drive=3)")
@@ -71,9 +73,11 @@ def check_numbers(world: int, nodes: int, tflops: float) -> None:
 
 
 def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, census: Any = None,
-         tflops: float = DEFAULT_TFLOPS, nvme_path: str | None = None) -> dict[str, Any]:
+         tflops: float = DEFAULT_TFLOPS, nvme_path: str | None = None,
+         host_memory: float | None = None) -> dict[str, Any]:
     """Every candidate's prediction, ranked, and the recommendation (a JSON-ready document); ``census``: one taken
-    already for this spec and world size (`census.take_census`)."""
+    already for this spec and world size (`census.take_census`); ``host_memory``: one node's memory for its ranks'
+    offloaded states (None: not checked)."""
     from polytrain.plan.census import take_census
 
     check_numbers(world, nodes, tflops)
@@ -82,13 +86,14 @@ def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, ce
     samples = global_batch(spec.data.batch_size, spec.data.global_batch_size, world, spec.loop.grad_accum_steps)
     predictions = [predict(spec, census, layout, world, nodes, link, tflops=tflops, step_samples=samples)
                    for layout in cand.candidates(spec, census, world, nodes, samples, nvme_path)]
-    ranked = cand.rank(predictions, device_memory)
-    rows = [_row(spec, p, device_memory, samples) for p in ranked]
+    limits = (device_memory, host_memory, world // nodes)
+    ranked = cand.rank(predictions, *limits)
+    rows = [_row(spec, p, limits, samples) for p in ranked]
     best = next((r for r in rows if r["fits"]), None)
     if best is not None:
         _check_overrides(spec, best["set"])
     return {"model": census.model, "parameters": census.numel, "world_size": world, "nodes": nodes,
-            "device_memory": device_memory, "precision": spec.precision, "optimizer": spec.optimizer.name,
+            "device_memory": device_memory, "host_memory": host_memory, "precision": spec.precision, "optimizer": spec.optimizer.name,
             "link": asdict(link), "device_tflops": tflops, "layouts": rows, "recommended": best}
 
 
@@ -105,6 +110,7 @@ def predict(spec: Any, census: Any, layout: Any, world: int, nodes: int = 1, lin
         grid = grid_for(ParallelSpec(tensor=layout.tensor, pipeline=layout.pipeline), world, rank)
         stage, options["data_rank"] = (grid.stage if layout.pipeline > 1 else None), grid.data_rank
     accum, m = spec.loop.grad_accum_steps, spec.parallel.microbatches
+    options["accum"] = accum
     samples = step_samples or global_batch(spec.data.batch_size, spec.data.global_batch_size, layout.data, accum)
     batch = samples / (layout.data * accum)
     pred = predict_memory(census, layout, precision, batch=batch, options=options, microbatches=m,
@@ -116,8 +122,8 @@ def predict(spec: Any, census: Any, layout: Any, world: int, nodes: int = 1, lin
     return pred
 
 
-def _row(spec: Any, pred: Any, limit: float, samples: int) -> dict[str, Any]:
-    return {"layout": pred.layout.name, "fits": pred.device <= limit, "reason": cand.why_not(pred, limit),
+def _row(spec: Any, pred: Any, limits: tuple[float, float | None, int], samples: int) -> dict[str, Any]:
+    return {"layout": pred.layout.name, "fits": cand.fits(pred, *limits), "reason": cand.why_not(pred, *limits),
             "device_bytes": pred.device, "parameters": pred.params, "gradients": pred.grads,
             "optimizer_state": pred.optimizer, "master_copies": pred.master, "activations": pred.activations,
             "temporary": dict(pred.temporary), "host_bytes": pred.host, "drive_bytes": pred.drive,
@@ -140,8 +146,9 @@ def table(doc: dict[str, Any]) -> str:
     """The ranked table and the recommendation, for a terminal."""
     g = cand.gib
     lines = [f"{doc['model']}: {doc['parameters']:,} parameters, {doc['precision']}, {doc['optimizer']}; "
-             f"{doc['world_size']} ranks on {doc['nodes']} node(s), {g(doc['device_memory'])} per device; "
-             f"per rank (the worst), per optimizer step"]
+             f"{doc['world_size']} ranks on {doc['nodes']} node(s), {g(doc['device_memory'])} per device, "
+             + (f"{g(doc['host_memory'])} per node for offloaded states; " if doc["host_memory"] is not None else
+                "host memory not checked (--host-memory); ") + "per rank (the worst), per optimizer step"]
     drives = any(row["drive_bytes"] for row in doc["layouts"])  # a drive column only where a layout uses one
     drive_head = f" {'drive':>10}" if drives else ""
 
@@ -174,6 +181,7 @@ def plan_from_args(args: argparse.Namespace) -> int:
     from polytrain import validation
 
     limit = parse_size(args.device_memory)
+    host = parse_size(args.host_memory, "--host-memory") if args.host_memory is not None else None
     link = parse_link(args.link) if args.link is not None else Link()
     spec = validation.load(args.spec, args.set or ())
     check_numbers(args.nproc, args.nodes, args.device_tflops)
@@ -181,6 +189,7 @@ def plan_from_args(args: argparse.Namespace) -> int:
         from polytrain.plan.probe import probe_link
 
         link = probe_link(args.nproc, args.launcher, args.hosts, link)
-    doc = plan(spec, args.nproc, args.nodes, limit, link, tflops=args.device_tflops, nvme_path=args.nvme_path)
+    doc = plan(spec, args.nproc, args.nodes, limit, link, tflops=args.device_tflops, nvme_path=args.nvme_path,
+               host_memory=host)
     print(json.dumps(doc, indent=2) if args.json else table(doc))
     return 0

@@ -14,11 +14,12 @@ Per layout (as polytrain runs it; S the shard group, D the data ranks, k micro-s
   every unit, the root too) — and per step a reduce-scatter of the gradients (fp32 unless ``fsdp.reduce_fp32`` is
   off); ``hybrid_shard`` also all-reduces the gradient shards across nodes.
 - ZeRO-1/2: the gradients all-reduced in buckets (DeepSpeed's ``use_multi_rank_bucket_allreduce``, on by default),
-  each rank keeping its partition, and the updated partitions all-gathered, once per step.
+  each rank keeping its partition — ZeRO-1 once per step, ZeRO-2 every micro-step (it keeps no whole gradients
+  to accumulate in) — and the updated partitions all-gathered once per step.
 - ZeRO-3: each partitioned parameter all-gathered for the forward of every micro-step and again for its backward
   unless DeepSpeed keeps it gathered (``stage3_max_reuse_distance``), the persistent ones (below
-  ``stage3_param_persistence_threshold``) once per step after their update, the gradients reduce-scattered per
-  step.
+  ``stage3_param_persistence_threshold``) once per step after their update, the gradients reduce-scattered every
+  micro-step.
 - tensor parallel: the DTensor collectives the census counted in one traced forward and backward, per micro-step
   (a pipeline stage: its share of the blocks).
 - pipeline: each micro-batch's activation at the stage boundary forward and its gradient back (the busiest stage).
@@ -137,7 +138,9 @@ def _zero(traffic: Traffic, params: Sequence[Param], precision: Precision, layou
     low = precision.low
     n = sum(p.numel for p in params)
     if (layout.stage or 0) <= 2:  # DeepSpeed's default use_multi_rank_bucket_allreduce: buckets all-reduced
-        traffic.add("allreduce", low * n, group, inter)
+        # ZeRO-1 accumulates whole gradients and reduces them once; ZeRO-2 keeps only its partition, so reduces
+        # every micro-step's
+        traffic.add("allreduce", (accum if layout.stage == 2 else 1) * low * n, group, inter)
         traffic.add("allgather", low * group * zero_partition(params, group), group, inter)
         if layout.offload:
             traffic.add("host", (4 + low) * zero_partition(params, group), 1, False)
@@ -153,7 +156,8 @@ def _zero(traffic: Traffic, params: Sequence[Param], precision: Precision, layou
     # persistent parameters once per step (their updated partitions), the others per micro-step
     traffic.add("allgather", gathered([p for p in params if p.numel < threshold]) + accum * (
         gathered(moving) + gathered(twice)), group, inter)
-    traffic.add("reducescatter", low * group * sum(math.ceil(p.numel / group) for p in params), group, inter)
+    traffic.add("reducescatter", accum * low * group * sum(math.ceil(p.numel / group) for p in params), group,
+                inter)
     if layout.offload:
         part = sum(math.ceil(p.numel / group) for p in params)
         fetched = 2 * accum * low * part if "params" in layout.offload else low * part

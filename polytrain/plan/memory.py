@@ -10,16 +10,16 @@ What each backend holds, as polytrain runs it (the formulas the bench and the te
   first dimension padded to a multiple of the group (``ceil(d0 / S) × rest`` per rank); the unsharded parameters
   of a unit (in the compute dtype) exist while it runs: the largest unit and the next one prefetched
   (``full_shard``, ``hybrid_shard``), or every unit from forward to backward (``shard_grad_op``); the reduce-scatter
-  input of the largest unit. ``cpu_offload`` moves the sharded states to the host.
+  input of the largest unit; with gradient accumulation every unit's unsharded gradient (in the reduce dtype)
+  between micro-steps, gradient sync being off. ``cpu_offload`` moves the sharded states to the host.
 - ``deepspeed`` ZeRO-1/2: the whole low-precision (or fp32) model on every rank; the flat parameter vector padded
   and cut into equal partitions, each rank the optimizer state (and, under bf16/fp16, an fp32 master copy) of its
-  partition. Gradients: in fp32, the whole gradient of every parameter that reaches into the rank's partition
-  (DeepSpeed's views); under bf16/fp16 the fp32 gradient partition plus the low-precision gradients, whole at
-  stage 1 and partitioned at stage 2, as DeepSpeed's own estimator counts them. In fp32 without offload
-  polytrain shares the master partition with the model's.
+  partition. Gradients: the whole gradient of every parameter that reaches into the rank's partition (DeepSpeed
+  keeps views of them), in the model's precision; under bf16/fp16 the optimizer step adds the fp32 gradient
+  partition (a temporary). In fp32 without offload polytrain shares the master partition with the model's.
 - ``deepspeed`` ZeRO-3: each parameter partitioned on its own (``ceil(n / D)``), parameters below
-  ``stage3_param_persistence_threshold`` elements also kept whole; gradients and optimizer state of the
-  partition; while a module runs, its gathered parameters and their gradients (the largest module's), and the
+  ``stage3_param_persistence_threshold`` elements also kept whole; gradients (in the model's precision; the fp32
+  copy made for the step a temporary) and optimizer state of the partition; while a module runs, its gathered parameters and their gradients (the largest module's), and the
   gathered parameters DeepSpeed keeps from forward to backward (within ``stage3_max_reuse_distance``).
 - offload (ZeRO-Offload, ZeRO-Infinity, FSDP ``cpu_offload``): those states in host memory (`Prediction.host`);
   to an NVMe drive (ZeRO-Infinity's ``nvme``): on the drive (`Prediction.drive`) what DeepSpeed swaps, a tensor
@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from polytrain.plan.activations import activations, in_flight, stage_blocks, stage_params
+from polytrain.plan.activations import NATIVE_BACKENDS, activations, in_flight, stage_blocks, stage_params
 from polytrain.plan.census import Census, Param
 
 #: bytes per element of optimizer state beyond the parameter: Adam's two moments, SGD's momentum buffer
@@ -99,6 +99,10 @@ class Precision:
     @property
     def low(self) -> int:
         return 4 if self.name == "fp32" else 2
+
+
+#: ZeRO under bf16/fp16: the fp32 gradient partition DeepSpeed makes from the low-precision gradients to step
+FP32_GRADS = "fp32 gradient partition (optimizer step)"
 
 
 def optimizer_state_bytes(name: str, momentum: float) -> int:
@@ -234,6 +238,8 @@ def model_states(layout: Layout, params: Sequence[Param], precision: Precision, 
         out.temporary["unsharded parameters"] = compute * (n if layout.sharding == "shard_grad_op" else sum(sizes[:2]))
         reduce = 4 if options.get("reduce_fp32", True) or precision.name == "fp32" else 2
         out.temporary["reduce-scatter input"] = reduce * largest
+        if options.get("accum", 1) > 1:  # gradient sync off between micro-steps: each unit's gradient kept whole
+            out.temporary["unsharded gradients (accumulation)"] = reduce * n
         if layout.offload:
             out.host = states
         else:
@@ -261,16 +267,13 @@ def _zero(out: Prediction, params: Sequence[Param], precision: Precision, group:
     if (layout.stage or 0) <= 2:
         part = zero_partition(params, group)
         out.params = low * part * group  # views into one flat, padded vector
-        if precision.name == "fp32":
-            grads = 4 * zero_straddling_grads(params, group, rank=options.get("data_rank"))
-            master = 4 * part if offload else 0
-        else:  # the low-precision gradients (whole at stage 1, partitioned at 2) and the fp32 partition
-            grads = low * (n if layout.stage == 1 else part) + 4 * part
-            master = 4 * part
-        host_grads = 4 * part if offload else 0
+        grads = low * zero_straddling_grads(params, group, rank=options.get("data_rank"))
+        master = 4 * part if (precision.name != "fp32" or offload) else 0
         out.grads = 0 if offload else grads
         out.master, out.optimizer = (0, 0) if offload else (master, s * part)
-        out.host = (4 * part + s * part + host_grads) if offload else 0
+        out.host = (4 * part + s * part + 4 * part) if offload else 0
+        if precision.name != "fp32" and not offload:
+            out.temporary[FP32_GRADS] = 4 * part
         out.temporary["reduce bucket"] = (4 if precision.name == "fp32" else low) * min(bucket, n)
         return out
     part = zero3_partition(params, group)
@@ -287,7 +290,9 @@ def _zero(out: Prediction, params: Sequence[Param], precision: Precision, group:
         out.params = params_bytes
         out.host = master + 4 * part + s * part
     else:
-        out.params, out.grads, out.master, out.optimizer = params_bytes, 4 * part, master, s * part
+        out.params, out.grads, out.master, out.optimizer = params_bytes, low * part, master, s * part
+        if precision.name != "fp32":
+            out.temporary[FP32_GRADS] = 4 * part
     out.temporary["gathered module (parameters + gradients)"] = 2 * low * largest
     kept = sum(p.numel for p in zero3_kept(params, options))
     if kept > largest:
@@ -352,13 +357,6 @@ def zero_paper_bytes(stage: int, group: int, state: int = 8, weights: int = 4) -
     return weights / shards[0] + weights / shards[1] + state / shards[2]
 
 
-def deepspeed_estimator_view(pred: Prediction) -> float:
-    """The device bytes DeepSpeed's ``estimate_zero2/3_model_states_mem_needs`` counts: model states, plus ZeRO-3's
-    largest gathered module (its ``largest_layer_memory``)."""
-    gathered = pred.temporary.get("gathered module (parameters + gradients)", 0.0)
-    return pred.model_states + gathered
-
-
 def predict_memory(census: Census, layout: Layout, precision: Precision, *, batch: float,
                    options: Mapping[str, Any] | None = None, microbatches: int | None = None,
                    schedule: str = "1f1b", stage: int | None = None) -> Prediction:
@@ -368,7 +366,8 @@ def predict_memory(census: Census, layout: Layout, precision: Precision, *, batc
     if layout.pipeline == 1:
         params = census.local_params[layout.tensor]
         pred = model_states(layout, params, precision, layout.data, options)
-        pred.activations, recompute = activations(census, layout.tensor, layout.checkpointing, batch)
+        pred.activations, recompute = activations(census, layout.tensor, layout.checkpointing, batch,
+                                                   native=layout.backend in NATIVE_BACKENDS)
         if recompute:
             pred.temporary["block recompute"] = recompute
         pred.micro_batch = batch
@@ -383,7 +382,7 @@ def predict_memory(census: Census, layout: Layout, precision: Precision, *, batc
         params = stage_params(census, layout.tensor, blocks, first, last)
         pred = model_states(layout, params, precision, layout.data, options)
         acts, recompute = activations(census, layout.tensor, layout.checkpointing, batch / m, blocks, first,
-                                       last)
+                                       last, native=layout.backend in NATIVE_BACKENDS)
         held = in_flight(schedule, m, layout.pipeline, s)
         # the step's other micro-batches: their inputs (received, or the batch's split) and targets stay held
         waiting = census.sample_bytes[0] * batch / m if first else \
