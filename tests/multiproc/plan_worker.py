@@ -2,20 +2,24 @@
 parameter, gradient, optimizer-state and master-copy bytes (the tensors it holds after the backward pass of a
 step, before that step's optimizer update; shards included), its peak bytes saved for the backward pass
 (saved-tensor hooks: the most held at once), and the bytes of every collective of one optimizer step, by kind,
-counted at the process-group level (a dispatch mode over torch's ``c10d`` and functional-collective operators).
+counted at the process-group level (a dispatch mode over torch's ``c10d`` and functional-collective operators);
+with gradient accumulation over every micro-step of the step, and under fsdp the unsharded gradients it keeps
+between micro-steps (`fsdp_accumulated`).
 
 Each layout runs through the Trainer's own parts (`registry.create_backend`, `create_framework`, ``fit``'s
 micro-step and optimizer step): steps 1 and 2 warm up (optimizer state made, the pipeline's shapes learnt, DDP's
 buckets rebuilt and their order broadcast), step 3 is measured. Used by tests/multiproc/test_plan_measure.py and
 bench/plan_accuracy.py.
 
-Usage (under torchrun): python plan_worker.py OUT CASE[,CASE...]   (names in `CASES`; rank r writes OUT.r.json)
+Usage (under torchrun; `job_command` builds it): python plan_worker.py OUT CASE[,CASE...]   (names in `CASES`; rank r
+writes OUT.r.json)
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import shlex
 import sys
 import tempfile
 import weakref
@@ -51,7 +55,50 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "lm-p2-tied": (4, {**LM, "model": {"name": "transformer", "params": {**LM["model"]["params"], "tie_weights": True}},
                        **ADAM, "backend": "ddp", "parallel": {"pipeline": 2}}),
     "lm-zero3": (4, {**LM, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 3}}),
+    # shards within each of the 4-rank job's two nodes, replicates (all-reduces the shards) across them
+    "lm-fsdp-hybrid": (4, {**LM, **ADAM, "backend": "fsdp", "fsdp": {"sharding": "hybrid_shard"}}),
+    "lm-ddp-bf16": (4, {**LM, **ADAM, "backend": "ddp", "precision": "bf16"}),
+    "lm-zero3-bf16": (4, {**LM, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 3}, "precision": "bf16"}),
+    "mlp-ddp-bf16": (2, {**MLP, **ADAM, "backend": "ddp", "precision": "bf16"}),
+    "mlp-ddp-fp16": (2, {**MLP, **ADAM, "backend": "ddp", "precision": "fp16"}),
+    "mlp-fsdp-bf16": (2, {**MLP, **ADAM, "backend": "fsdp", "precision": "bf16"}),
+    "mlp-zero1-bf16": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 1}, "precision": "bf16"}),
+    "mlp-zero2-bf16": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 2}, "precision": "bf16"}),
+    "mlp-ddp-accum2": (2, {**MLP, **ADAM, "backend": "ddp", "loop": {"grad_accum_steps": 2}}),
+    "mlp-fsdp-bf16-accum2": (2, {**MLP, **ADAM, "backend": "fsdp", "precision": "bf16", "loop": {"grad_accum_steps": 2}}),
+    "mlp-zero2-accum2": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 2},
+                             "loop": {"grad_accum_steps": 2}}),
+    "mlp-zero1-accum2": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 1},
+                             "loop": {"grad_accum_steps": 2}}),
+    "mlp-zero3-accum2": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 3, "config": ZERO3_ALL},
+                             "loop": {"grad_accum_steps": 2}}),
+    "mlp-zero2-offload": (2, {**MLP, **ADAM, "backend": "deepspeed",
+                              "deepspeed": {"stage": 2, "offload_optimizer": True}}),
+    "mlp-zero3-offload": (2, {**MLP, **ADAM, "backend": "deepspeed",
+                              "deepspeed": {"stage": 3, "offload_optimizer": True, "offload_param": True,
+                                            "config": ZERO3_ALL}}),
+    "mlp-fsdp-offload": (2, {**MLP, **ADAM, "backend": "fsdp", "fsdp": {"cpu_offload": True}}),
+    "mlp-zero3-bf16": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 3, "config": ZERO3_ALL},
+                           "precision": "bf16"}),
 }
+#: world size → nodes: the 4-rank job runs as two torchrun agents of 2 ranks each on this host (two nodes to the
+#: ranks: ``LOCAL_WORLD_SIZE`` 2), so that hybrid_shard has nodes to shard within
+NODES = {2: 1, 4: 2}
+
+
+def job_command(world: int, out: str, names: list[str], bin_dir: Path, port: int) -> list[str]:
+    """The command that measures ``names`` on ``world`` ranks, writing ``OUT.<rank>.json``: torchrun, or on more
+    than one node (`NODES`) one torchrun agent per node, all on this host, under one shell that fails if any does."""
+    nodes = NODES[world]
+    agents = [[str(bin_dir / "torchrun"), f"--nnodes={nodes}", f"--node_rank={r}", f"--nproc_per_node={world // nodes}",
+               "--master_addr=127.0.0.1", f"--master_port={port}", str(Path(__file__).resolve()), out, ",".join(names)]
+              for r in range(nodes)]
+    if nodes == 1:
+        return agents[0]
+    return ["bash", "-c", " & ".join(shlex.join(a) for a in agents)
+            + " & status=0; for agent in $(jobs -p); do wait $agent || status=1; done; exit $status"]
+
+
 KINDS = {"allreduce_": "allreduce", "allreduce_coalesced_": "allreduce", "all_reduce": "allreduce",
          "all_reduce_coalesced": "allreduce", "_allgather_base_": "allgather", "allgather_": "allgather",
          "allgather_into_tensor_coalesced_": "allgather", "all_gather_into_tensor": "allgather",
@@ -160,6 +207,19 @@ def model_states(module: Any, optimizer: Any) -> dict[str, int]:
     return sizes
 
 
+def fsdp_accumulated(module: Any) -> int:
+    """Bytes of the unsharded gradients FSDP2 keeps between micro-steps while gradient sync is off (each unsharded
+    parameter's gradient, or its upcast copy in the reduce dtype)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    held = []
+    for m in module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            held += [getattr(fsdp_param, "unsharded_accumulated_grad", None), fsdp_param._unsharded_param.grad]
+    return sum(storages([t for t in held if t is not None]).values())
+
+
 def measure(name: str, world: Any) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -177,15 +237,23 @@ def measure(name: str, world: Any) -> dict[str, Any]:
         x, y = data.train.read(np.arange(batch * world.rank, batch * (world.rank + 1)) % len(data.train))
         module = backend.unwrap(fw.model)
         result: dict[str, Any] = {}
+        accum = spec.loop.grad_accum_steps
         for step in range(3):
             counter = collective_counter() if step == 2 else None
-            saved = SavedPeak(module)
+            peak = 0
             with counter if counter is not None else _nothing():
-                with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                    fw.train_micro_step(x, y, 1.0 / batch, sync=True)
+                for micro in range(accum):  # gradients synchronised on the last micro-step only, as fit does
+                    saved = SavedPeak(module)
+                    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                        fw.train_micro_step(x, y, 1.0 / (batch * accum), sync=micro == accum - 1)
+                    peak = max(peak, saved.peak)
+                    if step == 2 and micro == 0 and accum > 1:
+                        held = fsdp_accumulated(module)
                 if step == 2:
                     gc.collect()
-                    result = {"states": model_states(module, fw.optimizer), "activations": saved.peak}
+                    result = {"states": model_states(module, fw.optimizer), "activations": peak}
+                    if accum > 1 and spec.backend == "fsdp":
+                        result["accumulating"] = held
                 fw.optimizer_step(1e-3, None)
             if counter is not None:
                 result["comm"], result["calls"] = counter.bytes, counter.calls
@@ -217,22 +285,39 @@ def predicted(name: str) -> list[dict[str, Any]]:
     census = take_census(spec, world, degrees=(layout.tensor,) if layout.tensor > 1 else ())
     out = []
     for rank in range(world):
-        pred = predict(spec, census, layout, world, rank=rank)
+        pred = predict(spec, census, layout, world, NODES[world], rank=rank)
         out.append({"states": {"params": pred.params, "grads": pred.grads, "optimizer": pred.optimizer,
-                               "master": pred.master}, "activations": pred.activations, "comm": pred.comm})
+                               "master": pred.master}, "activations": pred.activations, "comm": pred.comm,
+                    "accumulating": pred.temporary.get("unsharded gradients (accumulation)"),
+                    "host": pred.host, "offloaded": OFFLOADED.get(layout.offload, ())})
     return out
+
+
+#: a layout's offload → the model-state parts it keeps in host memory: DeepSpeed's optimizer offload the fp32
+#: partition, its gradient and the optimizer state, with the parameters' offload their partitions too; FSDP's all
+OFFLOADED = {"optimizer": ("grads", "optimizer", "master"), "optimizer+params": ("params", "grads", "optimizer", "master"),
+             "cpu": ("params", "grads", "optimizer", "master")}
 
 
 def compare(name: str, measured: list[dict[str, Any]]) -> list[tuple[str, int, str, float, float]]:
     """(case, rank, quantity, predicted, measured) for every rank: each model-state part and their sum, the
-    activations, and each collective kind's bytes."""
+    bytes offloaded to host memory, the activations, and each collective kind's bytes. On a CPU the host is the
+    device, so what an offloading layout holds in host memory is told apart by what it is (`OFFLOADED`), and
+    the copies between them are no collective (the prediction's ``host`` traffic is left out)."""
     rows = []
     for rank, (want, got) in enumerate(zip(predicted(name), measured)):
+        states = {part: 0 if part in want["offloaded"] else n for part, n in got["states"].items()}
         for part in ("params", "grads", "optimizer", "master"):
-            rows.append((name, rank, part, want["states"][part], got["states"][part]))
-        rows.append((name, rank, "model states", sum(want["states"].values()), sum(got["states"].values())))
+            rows.append((name, rank, part, want["states"][part], states[part]))
+        rows.append((name, rank, "model states", sum(want["states"].values()), sum(states.values())))
+        if want["offloaded"]:
+            host = sum(n for part, n in got["states"].items() if part in want["offloaded"])
+            rows.append((name, rank, "host", want["host"], host))
         rows.append((name, rank, "activations", want["activations"], got["activations"]))
-        for kind in sorted(set(want["comm"]) | {k for k in got["comm"] if k not in ("p2p_received", "control")}):
+        if want["accumulating"] is not None or "accumulating" in got:
+            rows.append((name, rank, "accumulating", want["accumulating"] or 0.0, got.get("accumulating", 0)))
+        kinds = {k for k in want["comm"] if k not in ("host", "drive")}
+        for kind in sorted(kinds | {k for k in got["comm"] if k not in ("p2p_received", "control")}):
             rows.append((name, rank, f"comm {kind}", want["comm"].get(kind, 0.0), got["comm"].get(kind, 0)))
     return rows
 
@@ -257,7 +342,10 @@ def main(out: str, names: list[str]) -> None:
     world = detect_world()
     dist.init_process_group("gloo")
     try:
-        results = {name: measure(name, world) for name in names}
+        # DeepSpeed's cases last: once a ZeRO-3 engine has run, torch's linear in this process is DeepSpeed's own
+        # (it saves its inputs, not autocast's casts), which would change what a later case keeps for backward
+        results = {name: measure(name, world)
+                   for name in sorted(names, key=lambda n: CASES[n][1]["backend"] == "deepspeed")}
     finally:
         dist.destroy_process_group()
     Path(f"{out}.{world.rank}.json").write_text(json.dumps(results))

@@ -1,11 +1,14 @@
 """`polytrain plan`'s predictions against what real runs hold and send (issue 29's proof): one torchrun job of 2
-ranks (an MLP: ddp, fsdp full_shard and shard_grad_op, ZeRO-1/2/3) and one of 4 (the zoo transformer: ddp with
-and without activation checkpointing, fsdp, tensor 2, pipeline 2, ZeRO-3), each measuring its layouts in turn
-(tests/multiproc/plan_worker.py: the Trainer's own backend and framework parts, gloo on CPU).
+ranks (an MLP: ddp, fsdp full_shard and shard_grad_op, ZeRO-1/2/3; in fp32, bf16 and fp16 where this CPU runs
+it; with gradient accumulation; with CPU offload) and one of 4 as two nodes of 2 (the zoo transformer: ddp with
+and without activation checkpointing, fsdp and its hybrid_shard, tensor 2, pipeline 2, ZeRO-3, bf16), each
+measuring its layouts in turn (tests/multiproc/plan_worker.py: the Trainer's own backend and framework parts,
+gloo on CPU).
 
 Per rank: parameters, gradients, optimizer state and master copies within 2 % of the prediction, the peak bytes
 saved for the backward pass within 10 %, and each collective kind's bytes in one optimizer step (counted at the
-process-group level) within 1 %.
+process-group level), the bytes an offloading layout keeps in host memory and those fsdp keeps between the
+micro-steps of accumulation within 1 %.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from multiproc import plan_worker
-from procs import check, command, job_env, run
+from procs import BIN, check, command, free_port, job_env, run
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -40,8 +43,8 @@ def measured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp(f"plan{request.param}") / "measured"
     names = JOBS[request.param]
-    done = check(run(command("torchrun", [str(HERE / "plan_worker.py"), str(out), ",".join(names)], request.param),
-                     env=job_env({}), timeout=240))
+    cmd = plan_worker.job_command(request.param, str(out), names, BIN, free_port())
+    done = check(run(cmd, env=job_env({}), timeout=240))
     assert not done.left_behind, done.left_behind
     ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(request.param)]
     return {name: [rank[name] for rank in ranks] for name in names}
