@@ -253,6 +253,7 @@ def test_command_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path) ->
     # checked before a --probe run is started (its launcher here would fail first)
     (["-np", "4", "--nodes", "3", "--probe", "--launcher", "nope"], "--nodes: 3 must be positive and divide -np 4"),
     (["-np", "2", "--device-tflops", "0", "--probe", "--launcher", "nope"], "--device-tflops: expected a positive"),
+    (["-np", "4", "--nodes", "1", "--probe", "-H", "h1:2,h2:2"], "--nodes: 1, but -H names 2 host(s)"),
     (["-np", "2", "--set", "model.name=nope"], "model.name: unknown model"),
 ])
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], words: str) -> None:

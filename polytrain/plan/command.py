@@ -185,6 +185,10 @@ def plan_from_args(args: argparse.Namespace) -> int:
     link = parse_link(args.link) if args.link is not None else Link()
     spec = validation.load(args.spec, args.set or ())
     check_numbers(args.nproc, args.nodes, args.device_tflops)
+    named = [host for host in (args.hosts or "").split(",") if host.strip()]
+    if args.probe and named and len(named) != args.nodes:
+        raise SpecError(f"--nodes: {args.nodes}, but -H names {len(named)} host(s); the probe measures the links "
+                        f"of the hosts the plan is for (give --nodes {len(named)})")
     if args.probe:
         from polytrain.plan.probe import probe_link
 

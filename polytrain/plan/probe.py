@@ -4,16 +4,17 @@
 planner's flags); each rank joins the job through `polytrain.torch.Distributed` (``ddp``: gloo on CPU, NCCL on
 GPUs) and times all-reduces of one buffer within its node and, on several nodes, across them (the ranks with
 its local rank), and copies between the device and host memory. A link's speed is what the planner's ring model
-says a rank sends (``2(n-1)/n`` of the buffer per all-reduce) over the best of a few timed repeats; rank 0 writes
-``{"intra": GB/s, "inter": GB/s, "host": GB/s}`` (null where there is nothing to measure) to the file it is given.
+says a rank sends (``2(n-1)/n`` of the buffer per all-reduce) over the best of a few timed repeats; rank 0 prints
+``POLYTRAIN_PROBE {"intra": GB/s, "inter": GB/s, "host": GB/s}`` (null where there is nothing to measure) on its
+standard output, which the launcher relays from whichever host rank 0 runs on.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from polytrain.errors import SpecError
 
 REPEATS = 5
+MARK = "POLYTRAIN_PROBE"
 
 
 def _best_seconds(run: Any, sync: Any) -> float:
@@ -56,7 +58,7 @@ def _host_speed(device: Any, nbytes: int) -> float | None:
     return nbytes / seconds / 1e9
 
 
-def measure(out: str) -> None:
+def measure() -> None:
     """One rank's part of the probe (see the module's docstring)."""
     import torch.distributed as dist
 
@@ -80,7 +82,7 @@ def measure(out: str) -> None:
     if world.size > 1:
         job.barrier()
     if world.rank == 0:
-        Path(out).write_text(json.dumps(speeds))
+        print(f"{MARK} {json.dumps(speeds)}", flush=True)
     job.end()
 
 
@@ -89,18 +91,17 @@ def probe_link(nproc: int, launcher: str, hosts: str | None, defaults: Any) -> A
     the ``defaults`` where nothing was measured; a failed probe is a one-line error."""
     from dataclasses import replace
 
-    with tempfile.TemporaryDirectory(prefix="polytrain-probe-") as tmp:
-        out = Path(tmp) / "link.json"
-        cmd = [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", launcher, "-np", str(nproc),
-               *(["-H", hosts] if hosts else []), str(Path(__file__)), str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0 or not out.exists():
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SpecError(f"--probe: the probe job failed under {launcher} (exit {done.returncode}): {last}")
-        found = json.loads(out.read_text())
+    cmd = [sys.executable, "-m", "polytrain.cli", "launch", "--launcher", launcher, "-np", str(nproc),
+           *(["-H", hosts] if hosts else []), str(Path(__file__))]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    reported = re.search(rf"{MARK} (\{{.*\}})", done.stdout)
+    if done.returncode != 0 or reported is None:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SpecError(f"--probe: the probe job failed under {launcher} (exit {done.returncode}): {last}")
+    found = json.loads(reported.group(1))
     measured = {key: value * 1e9 for key, value in found.items() if isinstance(value, (int, float)) and value > 0}
     return replace(defaults, **measured)
 
 
 if __name__ == "__main__":
-    measure(sys.argv[1])
+    measure()
