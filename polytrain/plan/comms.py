@@ -21,7 +21,8 @@ Per layout (as polytrain runs it; S the shard group, D the data ranks, k micro-s
   ``stage3_param_persistence_threshold``) once per step after their update, the gradients reduce-scattered every
   micro-step.
 - tensor parallel: the DTensor collectives the census counted in one traced forward and backward, per micro-step
-  (a pipeline stage: its share of the blocks).
+  (a pipeline stage: those counted for its blocks, and for what comes before the first block or after the last
+  where it holds that).
 - pipeline: each micro-batch's activation at the stage boundary forward and its gradient back (the busiest stage).
 - the data dimension of a tensor/pipeline layout: one flat all-reduce of the local gradients (ddp), or fsdp's.
 """
@@ -210,10 +211,11 @@ def predict_comms(census: Census, layout: Layout, precision: Precision, *, batch
             traffic.add("allreduce", 4 * sum(q.grad_elements for q in params), d, data_inter)
             if p == 1 and t == 1:
                 traffic.add("broadcast", accum * census.buffer_bytes, d, data_inter)
-        if t > 1:
-            share = len(blocks) / max(census.n_blocks, 1) if p > 1 else 1.0
-            for kind, linear in census.traces[t].collectives.items():
-                traffic.add(kind, accum * m * share * linear.at(batch / m), t, tensor_inter)
+        if t > 1:  # the collectives of the stage's own part of the model (all of it without a pipeline)
+            trace = census.traces[t]
+            for kind in trace.collectives:
+                sent = trace.collective_bytes(kind, batch / m, blocks, first, last)
+                traffic.add(kind, accum * m * sent, t, tensor_inter)
         if p > 1:
             boundary = census.traces[t].block_outputs
             sent = (0.0 if last else boundary[blocks[-1]].at(batch / m)) + \

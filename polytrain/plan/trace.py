@@ -49,9 +49,16 @@ class Trace:
     #: checkpointing keeps of the block
     block_inputs: tuple[Linear, ...]
     block_outputs: tuple[Linear, ...]  # block i's output (a pipeline stage boundary)
-    #: DTensor collectives of one forward and backward: kind ("allreduce", "allgather", "reducescatter") → bytes
-    collectives: dict[str, Linear] = field(default_factory=dict)
+    #: DTensor collectives of one forward and backward: kind ("allreduce", "allgather", "reducescatter") → the
+    #: region they ran for (PRE, block i, POST; forward and backward alike) → bytes
+    collectives: dict[str, dict[int, Linear]] = field(default_factory=dict)
     flops: Linear = Linear()  # of one forward and the loss (torch's FLOP counter; the whole model's at T = 1)
+
+    def collective_bytes(self, kind: str, batch: float, blocks: range, first: bool, last: bool) -> float:
+        """Bytes of ``kind`` for the part of the model a pipeline stage holds: ``blocks``, and what comes before
+        them (``first``) or after them (``last``)."""
+        return sum(line.at(batch) for region, line in self.collectives.get(kind, {}).items()
+                   if region in blocks or (first and region == PRE) or (last and region == POST))
 
     def total(self) -> Linear:
         out = self.pre + self.post
@@ -80,9 +87,11 @@ def example_batch(info: Any, batch: int) -> tuple[Any, Any]:
 
 
 class Recorder:
-    """Saved-tensor and module hooks of one traced forward (see the module's docstring)."""
+    """Saved-tensor and module hooks of one traced forward (see the module's docstring); with ``backward`` the
+    blocks' backward hooks keep `region` true through the backward pass too (block ``i``'s backward, then what lies
+    before it), for the collectives counted there."""
 
-    def __init__(self, model: Any, blocks: list[Any]) -> None:
+    def __init__(self, model: Any, blocks: list[Any], backward: bool = False) -> None:
         self.params = {storage_key(p)[0] for p in model.parameters()}
         self.region = PRE
         self.saved: dict[int, tuple[int, int]] = {}  # storage → (bytes, region)
@@ -92,6 +101,10 @@ class Recorder:
         for i, block in enumerate(blocks):
             self.handles.append(block.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args)))
             self.handles.append(block.register_forward_hook(lambda m, args, out, i=i: self._leave(i, out)))
+            if backward:
+                self.handles.append(block.register_full_backward_pre_hook(lambda m, grads, i=i: self._back(i)))
+                self.handles.append(block.register_full_backward_hook(
+                    lambda m, grads_in, grads_out, i=i: self._back(i - 1 if i else PRE)))
         self.n_blocks = len(blocks)
 
     def _enter(self, i: int, args: Any) -> None:
@@ -101,6 +114,9 @@ class Recorder:
     def _leave(self, i: int, out: Any) -> None:
         self.region = POST if i == self.n_blocks - 1 else i
         self.outputs.append(local_tensor(out).numel() * local_tensor(out).element_size())
+
+    def _back(self, region: int) -> None:
+        self.region = region
 
     def pack(self, t: Any) -> Any:
         key, nbytes = storage_key(t)
@@ -130,14 +146,15 @@ COLLECTIVE_KINDS = {"all_reduce": "allreduce", "all_gather_into_tensor": "allgat
                     "all_gather_into_tensor_coalesced": "allgather", "reduce_scatter_tensor_coalesced": "reducescatter"}
 
 
-def collective_counter() -> Any:
-    """A dispatch mode adding up the bytes of each functional collective (what DTensor issues)."""
+def collective_counter(recorder: Recorder) -> Any:
+    """A dispatch mode adding up the bytes of each functional collective (what DTensor issues), by kind and by the
+    recorder's region at the time."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.bytes: dict[str, int] = {}
+            self.bytes: dict[str, dict[int, int]] = {}
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
@@ -147,14 +164,16 @@ def collective_counter() -> Any:
                 # the full tensor: an all-gather's output, a reduction's input
                 full = out if kind == "allgather" else args[0]
                 tensors = full if isinstance(full, (list, tuple)) else [full]
-                self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors)
+                regions = self.bytes.setdefault(kind, {})
+                regions[recorder.region] = regions.get(recorder.region, 0) + sum(
+                    t.numel() * t.element_size() for t in tensors)
             return out
 
     return Counter()
 
 
 def _trace_once(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], batch: int,
-                backward: bool, native: bool) -> tuple[dict[str, Any], dict[str, int]]:
+                backward: bool, native: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
 
     from polytrain import objectives
@@ -168,8 +187,8 @@ def _trace_once(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], batch
         x = x.to(dtype)
     from torch.utils.flop_counter import FlopCounterMode
 
-    recorder = Recorder(model, blocks)
-    counter = collective_counter() if backward else FlopCounterMode(display=False)
+    recorder = Recorder(model, blocks, backward)
+    counter = collective_counter(recorder) if backward else FlopCounterMode(display=False)
     try:
         with counter:
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
@@ -194,7 +213,8 @@ def trace_model(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], backw
         return tuple(fit_line(a, b) for a, b in zip(r1[key], r2[key]))
 
     flops = fit_line(c1.pop("flops", 0), c2.pop("flops", 0))
-    kinds = sorted(set(c1) | set(c2))
+    collectives = {kind: {region: fit_line(c1.get(kind, {}).get(region, 0), c2.get(kind, {}).get(region, 0))
+                          for region in set(c1.get(kind, {})) | set(c2.get(kind, {}))}
+                   for kind in sorted(set(c1) | set(c2))}
     return Trace(pre=fit_line(r1["pre"], r2["pre"]), post=fit_line(r1["post"], r2["post"]), blocks=each("inside"),
-                 block_inputs=each("inputs"), block_outputs=each("outputs"),
-                 collectives={k: fit_line(c1.get(k, 0), c2.get(k, 0)) for k in kinds}, flops=flops)
+                 block_inputs=each("inputs"), block_outputs=each("outputs"), collectives=collectives, flops=flops)

@@ -51,6 +51,7 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "lm-fsdp": (4, {**LM, **ADAM, "backend": "fsdp"}),
     "lm-t2": (4, {**LM, **ADAM, "backend": "ddp", "parallel": {"tensor": 2}}),
     "lm-p2": (4, {**LM, **ADAM, "backend": "ddp", "parallel": {"pipeline": 2}}),
+    "lm-t2p2": (4, {**LM, **ADAM, "backend": "ddp", "parallel": {"tensor": 2, "pipeline": 2}}),
     # the tied head under pipeline parallel: the last stage holds a copy, both copies' gradients all-reduced
     "lm-p2-tied": (4, {**LM, "model": {"name": "transformer", "params": {**LM["model"]["params"], "tie_weights": True}},
                        **ADAM, "backend": "ddp", "parallel": {"pipeline": 2}}),
