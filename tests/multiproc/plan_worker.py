@@ -63,6 +63,7 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "mlp-ddp-bf16": (2, {**MLP, **ADAM, "backend": "ddp", "precision": "bf16"}),
     "mlp-ddp-fp16": (2, {**MLP, **ADAM, "backend": "ddp", "precision": "fp16"}),
     "mlp-fsdp-bf16": (2, {**MLP, **ADAM, "backend": "fsdp", "precision": "bf16"}),
+    "mlp-fsdp-fp16": (2, {**MLP, **ADAM, "backend": "fsdp", "precision": "fp16"}),
     "mlp-zero1-bf16": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 1}, "precision": "bf16"}),
     "mlp-zero2-bf16": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 2}, "precision": "bf16"}),
     "mlp-ddp-accum2": (2, {**MLP, **ADAM, "backend": "ddp", "loop": {"grad_accum_steps": 2}}),
