@@ -2,13 +2,17 @@
 the same image folder and the same Parquet file.
 
 Run:  python bench/data_throughput.py [--images 3000] [--size 64] [--rows 400000] [--rounds 3] [--data DIR]
+                                      [--kinds images,augmented,parquet]
 
 It writes (once, into --data or a temporary folder) a class-per-folder tree of RGB JPEGs (--size, 64x64) made from
 scikit-learn's bundled digits, and a Parquet file of 64 float32 features per row (one fixed-size list
 column) and an integer label, in row groups of 10,000 rows. Each reader then reads a full epoch in a
 fresh process (so one framework's threads or forked workers never share a process with another's),
 two epochs a process, ``--rounds`` processes a reader, interleaved; the fastest epoch counts. What each does per sample is the same: decode, scale to [0, 1],
-normalise, batch (64 images, 256 rows), shuffled:
+normalise, batch (64 images, 256 rows), shuffled; "augmented" images also get the usual training augmentation, a
+random crop of the image padded by 4 black pixels and a random horizontal flip (polytrain's ``data.augment``;
+by hand in the DataLoader's Dataset; ``tf.pad``, ``tf.image.random_crop`` and ``random_flip_left_right`` in
+tf.data):
 
 - polytrain: `polytrain.data.images` / `polytrain.data.parquet` sources read through the Trainer's
   `polytrain.data.prefetch.Prefetcher` (2 threads, 2 steps ahead) over `epoch_plan`; images are decoded in two
@@ -36,6 +40,8 @@ from pathlib import Path
 import numpy as np
 
 IMAGE_BATCH, ROW_BATCH, WIDTH, ROW_GROUP = 64, 256, 64, 10_000
+PAD = 4  # augmented: the random crop's padding (black) on each side
+KINDS = ("images", "augmented", "parquet")
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
 
@@ -76,11 +82,16 @@ def polytrain_reader(kind: str, data: Path, worker_kind: str = "auto") -> Callab
     from polytrain.data.plan import epoch_plan
     from polytrain.spec import DataSpec
 
-    if kind == "images":
+    augment = None
+    if kind in ("images", "augmented"):
         from polytrain.data.images import open_images
+        from polytrain.spec import AugmentSpec
         extra = {} if worker_kind == "auto" else {"worker_kind": worker_kind}  # (a release without the field)
+        if kind == "augmented":
+            extra["augment"] = AugmentSpec(crop_padding=PAD, horizontal_flip=True)
         spec = DataSpec(name="images", path=str(data / "images"), mean=MEAN, std=STD, val_fraction=0.0, **extra)
-        source, batch = open_images(spec, 0).train, IMAGE_BATCH
+        opened = open_images(spec, 0)
+        source, batch, augment = opened.train, IMAGE_BATCH, opened.augment
     else:
         from polytrain.data.parquet import open_parquet
         spec = DataSpec(name="parquet", path=str(data / "table.parquet"), features=("x",), label="label",
@@ -88,7 +99,7 @@ def polytrain_reader(kind: str, data: Path, worker_kind: str = "auto") -> Callab
         source, batch = open_parquet(spec, 0).train, ROW_BATCH
     try:
         from polytrain.data.prefetch import Prefetcher
-        prefetcher = Prefetcher(workers=spec.workers, depth=spec.prefetch, seed=0)
+        prefetcher = Prefetcher(workers=spec.workers, depth=spec.prefetch, seed=0, augment=augment)
     except ImportError:  # before the prefetcher landed: the same reading, by hand
         prefetcher = None
 
@@ -133,8 +144,16 @@ def torch_reader(kind: str, data: Path) -> Callable[[int], int]:
         def __getitem__(self, i: int):
             path, label = self.items[i]
             with Image.open(path) as image:
-                pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
-            x = (pixels * scale + offset).transpose(2, 0, 1).reshape(-1)
+                pixels = np.asarray(image.convert("RGB"))
+            if kind == "augmented":  # on the uint8 pixels: pad with black, crop at random, flip half
+                h, w, _ = pixels.shape
+                padded = np.zeros((h + 2 * PAD, w + 2 * PAD, 3), np.uint8)
+                padded[PAD:PAD + h, PAD:PAD + w] = pixels
+                dy, dx = np.random.randint(0, 2 * PAD + 1, size=2)
+                pixels = padded[dy:dy + h, dx:dx + w]
+                if np.random.rand() < 0.5:
+                    pixels = pixels[:, ::-1]
+            x = (pixels.astype(np.float32) * scale + offset).transpose(2, 0, 1).reshape(-1)
             return torch.from_numpy(np.ascontiguousarray(x)), label
 
     class RowGroups(IterableDataset):
@@ -156,7 +175,7 @@ def torch_reader(kind: str, data: Path) -> Callable[[int], int]:
                     take = order[start:start + ROW_BATCH]
                     yield torch.from_numpy(x[take]), torch.from_numpy(y[take])
 
-    if kind == "images":
+    if kind != "parquet":
         loader = DataLoader(Folder(data / "images"), batch_size=IMAGE_BATCH, shuffle=True, num_workers=2,
                             persistent_workers=True)
     else:
@@ -173,7 +192,7 @@ def tf_reader(kind: str, data: Path) -> Callable[[int], int]:
     import tensorflow as tf
 
     auto = tf.data.AUTOTUNE
-    if kind == "images":
+    if kind != "parquet":
         root = data / "images"
         classes = sorted(d.name for d in root.iterdir() if d.is_dir())
         items = [(str(p), c) for c, name in enumerate(classes) for p in sorted((root / name).glob("*.jpg"))]
@@ -181,6 +200,10 @@ def tf_reader(kind: str, data: Path) -> Callable[[int], int]:
 
         def load(path, label):
             pixels = tf.image.decode_jpeg(tf.io.read_file(path), channels=3)
+            if kind == "augmented":
+                shape = tf.shape(pixels)
+                padded = tf.pad(pixels, [[PAD, PAD], [PAD, PAD], [0, 0]])
+                pixels = tf.image.random_flip_left_right(tf.image.random_crop(padded, shape))
             return (tf.cast(pixels, tf.float32) / 255.0 - mean) / std, label
 
         dataset = (tf.data.Dataset.from_tensor_slices(([p for p, _ in items], [c for _, c in items]))
@@ -238,22 +261,26 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each reader (the best counts)")
     parser.add_argument("--data", type=Path, default=None, help="where to write the data (default: a temporary folder)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="what to read (default: %(default)s)")
     parser.add_argument("--run", nargs=3, metavar=("READER", "KIND", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
         run_one(args.run[0], args.run[1], Path(args.run[2]))
         return
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not set(kinds) <= set(KINDS):
+        sys.exit(f"--kinds: expected some of {','.join(KINDS)}, got {args.kinds}")
     with tempfile.TemporaryDirectory() as scratch:
         data = args.data or Path(scratch)
         if not (data / "images").exists():
             make_images(data / "images", args.images, args.size)
-        if not (data / "table.parquet").exists():
+        if "parquet" in kinds and not (data / "table.parquet").exists():
             make_parquet(data / "table.parquet", args.rows)
-        rates: dict[str, dict[str, float]] = {kind: {} for kind in ("images", "parquet")}
+        rates: dict[str, dict[str, float]] = {kind: {} for kind in kinds}
         for _ in range(args.rounds):  # rounds interleave the readers: a busy moment of the machine hits all of them
             for kind in rates:
                 for reader in READERS:
-                    if reader == "polytrain threads" and kind != "images":
+                    if reader == "polytrain threads" and kind == "parquet":
                         continue
                     done = subprocess.run([sys.executable, __file__, "--run", reader, kind, str(data)],
                                           capture_output=True, text=True, check=False)
@@ -267,7 +294,7 @@ def main() -> None:
             others = [best[r] for r in ("DataLoader", "tf.data") if r in best]
             ratio = f"  polytrain / faster of the two: {best['polytrain'] / max(others):.2f}x" \
                 if others and "polytrain" in best else ""
-            print(f"{kind:8s} {line}{ratio}")
+            print(f"{kind:9s} {line}{ratio}")
 
 
 if __name__ == "__main__":

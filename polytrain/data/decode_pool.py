@@ -4,8 +4,10 @@ Measured (``bench/data_throughput.py``, 64x64 JPEGs): two reader threads decode 
 opening, converting and wrapping each small image runs Python code under the GIL; two processes decode
 nearly twice as fast. Each process is started with ``python -c`` loading `polytrain.data.image_decode` by
 path (numpy and Pillow only: no framework import, no re-run of the user's script, no fork of a process that
-runs threads), gets the file list once, and then writes each requested batch of normalised float32 pixels
-into a shared memory buffer (``memfd``) it was handed; the reply is a short JSON line. Nothing is pickled.
+runs threads), gets the file list once, and then writes each requested batch of uint8 pixels, cropped and
+flipped already for an augmented training batch, into a shared memory buffer (``memfd``) it was handed; the
+reply is a short JSON line. The reading thread normalises them into float32 straight from that buffer.
+Nothing is pickled.
 
 A process ends when its socket closes: on `DecodePool.close`, on garbage collection, or when the training
 process dies in any way (the kernel closes the socket), so none is ever left behind.
@@ -80,7 +82,9 @@ class DecodePool:
 
     def __init__(self, config: dict[str, Any], processes: int) -> None:
         self.config, self.count = config, max(1, processes)
-        self.sample_floats = (1 if config["mode"] == "L" else 3) * config["height"] * config["width"]
+        self.shape = (config["height"], config["width"], 1 if config["mode"] == "L" else 3)
+        self.scale = np.asarray(config["scale"], dtype=np.float32)
+        self.offset = np.asarray(config["offset"], dtype=np.float32)
         self._processes: list[_Process] = []
         self._idle: queue.SimpleQueue[_Process] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -103,8 +107,9 @@ class DecodePool:
                 send(parent, self.config)
                 self._idle.put(process)
 
-    def read(self, indices: np.ndarray) -> np.ndarray:
-        """The images at ``indices``, ``(n, C*H*W)`` float32; `ImageProblem` for a bad file."""
+    def read(self, indices: np.ndarray, draws: np.ndarray | None = None) -> np.ndarray:
+        """The images at ``indices``, ``(n, C*H*W)`` float32, augmented by ``draws`` (`image_decode.crops`) when
+        given; `ImageProblem` for a bad file."""
         if self._finalizer.alive and not self._processes:
             self._start()
         elif not self._finalizer.alive:
@@ -114,8 +119,10 @@ class DecodePool:
         try:
             if process.dead:  # one process ended: every later read says so instead of waiting for it
                 raise DecoderGone(self.gone)
-            need = max(4, n * self.sample_floats * 4)
+            need = max(1, n * int(np.prod(self.shape)))
             request: dict[str, Any] = {"indices": [int(i) for i in indices]}
+            if draws is not None:
+                request["draws"] = draws.tolist()  # JSON keeps every float exactly
             fds: tuple[int, ...] = ()
             if need > process.capacity:
                 fd, buffer = _shared_buffer(need)
@@ -140,8 +147,9 @@ class DecodePool:
             if "error" in reply:
                 raise ImageProblem(reply["field"], reply["error"])
             assert process.buffer is not None
-            return np.frombuffer(process.buffer, dtype=np.float32, count=n * self.sample_floats).reshape(
-                n, self.sample_floats).copy()
+            pixels = np.frombuffer(process.buffer, dtype=np.uint8, count=n * int(np.prod(self.shape)))
+            pixels = pixels.reshape(n, *self.shape)
+            return image_decode.normalise(pixels, self.scale, self.offset)
         finally:
             self._idle.put(process)
 

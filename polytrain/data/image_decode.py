@@ -1,4 +1,5 @@
-"""Decoding image files into one normalised float32 batch — in a reader thread, or in a decoding process.
+"""Decoding image files into one normalised float32 batch — in a reader thread, or in a decoding process — with
+the training batches' seeded crop and flip applied to the decoded uint8 pixels (`augment_pixels`).
 
 This module imports only numpy and Pillow (never polytrain, torch or TensorFlow): `polytrain.data.decode_pool`
 starts each decoding process by loading this file by path, so a process starts in a fraction of a second
@@ -6,9 +7,11 @@ and never re-runs the user's script. The same `Decoder` serves the thread path, 
 
 The process side speaks a small protocol over a Unix socket, with no pickle: each message is a 4-byte
 little-endian length and a JSON object; the parent may attach a file descriptor (a shared buffer) to a
-request. The first message configures the decoder (files, mode, size, normalisation); each later one is
-``{"indices": [...]}`` and is answered ``{"ok": n}`` once the batch is in the shared buffer, or
-``{"error": ..., "field": ...}`` naming what was wrong with which file.
+request. The first message configures the decoder (files, mode, size, normalisation, augmentation); each later
+one is ``{"indices": [...]}`` (with ``"draws"``, three numbers per sample, for an augmented batch) and is
+answered ``{"ok": n}`` once the batch's uint8 (n, H, W, C) pixels are in the shared buffer, or
+``{"error": ..., "field": ...}`` naming what was wrong with which file. The parent normalises them: a quarter of
+the bytes cross, and the decoding process spends its time decoding.
 """
 
 from __future__ import annotations
@@ -50,18 +53,57 @@ def _open(data: bytes, name: str) -> Image.Image:
         return Image.open(buffer)
 
 
+def crops(draws: np.ndarray, padding: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sample's three uniform draws → (row, column) of its crop window in the image padded by ``padding``,
+    and whether it is flipped."""
+    offsets = (draws[:, :2] * (2 * padding + 1)).astype(np.int64)
+    return offsets[:, 0], offsets[:, 1], draws[:, 2] < 0.5
+
+
+def augment_pixels(pixels: np.ndarray, draws: np.ndarray, padding: int, flip: bool,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 (n, H, W, C) images, each cropped (H, W) at random from itself padded by ``padding`` black pixels and,
+    with ``flip``, mirrored left-right at random, by its row of ``draws`` (`crops`). Pixel for pixel what padding
+    the normalised image with the normalised black and cropping it gives, but on a quarter of the bytes, with no
+    padded copy and while the image is still in the decoding worker. Into ``out`` (same shape) when given."""
+    n, h, w, _ = pixels.shape
+    dy, dx, flips = crops(draws, padding)
+    if out is None:
+        out = np.zeros_like(pixels)
+    else:
+        out[...] = 0
+    for k in range(n):
+        target = out[k, :, ::-1] if flip and flips[k] else out[k]  # writing through a mirrored view flips
+        top, left = int(dy[k]) - padding, int(dx[k]) - padding  # the window's corner in the image
+        y0, y1, x0, x1 = max(top, 0), min(top + h, h), max(left, 0), min(left + w, w)
+        target[y0 - top:y1 - top, x0 - left:x1 - left] = pixels[k, y0:y1, x0:x1]
+    return out
+
+
+def normalise(pixels: np.ndarray, scale: np.ndarray, offset: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 (n, H, W, C) → flat (C, H, W) float32 rows ``pixel * scale + offset``, into ``out`` when given."""
+    n, h, w, c = pixels.shape
+    x = np.empty((n, c, h, w), dtype=np.float32) if out is None else out[:n * c * h * w].reshape(n, c, h, w)
+    for channel in range(c):
+        np.multiply(pixels[..., channel], scale[channel], out=x[:, channel], dtype=np.float32)
+        x[:, channel] += offset[channel]
+    return x.reshape(n, c * h * w)
+
+
 class Decoder:
     """Image files (or encoded images) → ``(n, C*H*W)`` float32, each image converted to ``mode``, resized to (height, width) when
-    ``resize`` (else it must be ``reference``'s size), scaled per channel: ``pixel * scale + offset``."""
+    ``resize`` (else it must be ``reference``'s size), scaled per channel: ``pixel * scale + offset``; training
+    batches cropped from the image padded by ``crop_padding`` and flipped (``horizontal_flip``) by their draws."""
 
     def __init__(self, files: Sequence[str], mode: str, height: int, width: int, resize: bool,
                  scale: Sequence[float], offset: Sequence[float], reference: tuple[str, int, int] | None,
-                 field: str = "path") -> None:
+                 field: str = "path", crop_padding: int = 0, horizontal_flip: bool = False) -> None:
         self.files, self.mode, self.height, self.width, self.resize = list(files), mode, height, width, resize
         self.channels = 1 if mode == "L" else 3
         self.scale = np.asarray(scale, dtype=np.float32)
         self.offset = np.asarray(offset, dtype=np.float32)
         self.reference, self.field = reference, field
+        self.crop_padding, self.horizontal_flip = crop_padding, horizontal_flip
 
     @property
     def sample_floats(self) -> int:
@@ -96,22 +138,35 @@ class Decoder:
             raise ImageProblem(self.field, f"cannot decode image {name}: {type(exc).__name__}: {exc}") from exc
         return pixels.reshape(self.height, self.width, self.channels)
 
-    def batch(self, indices: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Image files at ``indices`` as flat (C, H, W) float32 rows, written into ``out`` when given."""
-        pixels = np.empty((len(indices), self.height, self.width, self.channels), dtype=np.uint8)
+    def pixel_batch(self, indices: Sequence[int], draws: np.ndarray | None = None,
+                    out: np.ndarray | None = None) -> np.ndarray:
+        """Image files at ``indices`` as uint8 (n, H, W, C), augmented by ``draws`` when given, into ``out`` (a
+        flat uint8 buffer) when given."""
+        shape = (len(indices), self.height, self.width, self.channels)
+        target = None if out is None else out[:int(np.prod(shape))].reshape(shape)
+        augmenting = self.augments(draws)
+        pixels = target if target is not None and not augmenting else np.empty(shape, dtype=np.uint8)
         for k, i in enumerate(indices):
             pixels[k] = self.pixels(int(i))
-        return self.normalise(pixels, out)
+        return self.augment(pixels, draws, target) if augmenting else pixels
+
+    def augments(self, draws: np.ndarray | None) -> bool:
+        return draws is not None and bool(self.crop_padding or self.horizontal_flip)
+
+    def augment(self, pixels: np.ndarray, draws: np.ndarray | None, out: np.ndarray | None = None) -> np.ndarray:
+        """``pixels`` cropped and flipped by ``draws`` (None: as they are), into ``out`` when given."""
+        if not self.augments(draws):
+            return pixels
+        assert draws is not None
+        return augment_pixels(pixels, draws, self.crop_padding, self.horizontal_flip, out)
+
+    def batch(self, indices: Sequence[int], draws: np.ndarray | None = None) -> np.ndarray:
+        """Image files at ``indices`` as flat (C, H, W) float32 rows, augmented by ``draws`` when given."""
+        return self.normalise(self.pixel_batch(indices, draws))
 
     def normalise(self, pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """uint8 (n, H, W, C) → flat (C, H, W) float32 rows ``pixel * scale + offset``, into ``out`` when given."""
-        n = len(pixels)
-        x = (np.empty((n, self.channels, self.height, self.width), dtype=np.float32) if out is None
-             else out[:n * self.sample_floats].reshape(n, self.channels, self.height, self.width))
-        for c in range(self.channels):
-            np.multiply(pixels[..., c], self.scale[c], out=x[:, c], dtype=np.float32)
-            x[:, c] += self.offset[c]
-        return x.reshape(n, self.sample_floats)
+        return normalise(pixels, self.scale, self.offset, out)
 
 
 # --- the decoding process ---------------------------------------------------------------------------------------
@@ -167,9 +222,10 @@ def serve(fd: int) -> None:
             for extra in fds:
                 os.close(extra)
         assert buffer is not None
-        out = np.frombuffer(buffer, dtype=np.float32)
+        out = np.frombuffer(buffer, dtype=np.uint8)
+        draws = request.get("draws")
         try:
-            decoder.batch(request["indices"], out)
+            decoder.pixel_batch(request["indices"], None if draws is None else np.asarray(draws, np.float64), out)
             reply: dict[str, Any] = {"ok": len(request["indices"])}
         except ImageProblem as problem:
             reply = {"error": str(problem), "field": problem.field}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from PIL import Image
 
 from polytrain.data.decode_pool import DecodePool, DecoderGone
 from polytrain.data.files import assemble, check_apart, nested, pair
-from polytrain.data.image_decode import Decoder, ImageProblem
+from polytrain.data.image_decode import Decoder, ImageProblem, crops
 from polytrain.data.plan import shuffled
 from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
@@ -45,7 +45,6 @@ def image_suffixes() -> tuple[str, ...]:
     return tuple(s for s in FORMATS if known.get(s) in Image.OPEN)
 
 
-Augment = Callable[[np.ndarray, np.ndarray, Sequence[np.random.Generator]], tuple[np.ndarray, np.ndarray]]
 
 
 def _class_folders(root: Path, field: str) -> list[str]:
@@ -114,7 +113,8 @@ class ImageFolderSource:
         self._config: dict[str, Any] = {
             "files": [str(f) for f in files], "mode": self.mode, "height": self.height, "width": self.width,
             "resize": spec.image_size is not None, "scale": self.scale.tolist(), "offset": self.offset.tolist(),
-            "reference": ref, "field": field}
+            "reference": ref, "field": field, "crop_padding": spec.augment.crop_padding,
+            "horizontal_flip": spec.augment.horizontal_flip}
         self.decoder = Decoder(**self._config)
         #: decoding processes (data.worker_kind), started at the first read; 0: decode in the reading thread
         self.processes = spec.workers if worker_kind(spec) == "processes" else 0
@@ -128,14 +128,14 @@ class ImageFolderSource:
         except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for a bad file
             raise SpecError(f"data.{self.field}: cannot read image {path}: {type(exc).__name__}: {exc}") from exc
 
-    def _decode(self, indices: np.ndarray) -> np.ndarray:
+    def _decode(self, indices: np.ndarray, draws: np.ndarray | None) -> np.ndarray:
         if not self.processes:
-            return self.decoder.batch(indices)
+            return self.decoder.batch(indices, draws)
         with self._pool_lock:
             if self._pool is None:
                 self._pool = DecodePool(self._config, self.processes)
         try:
-            return self._pool.read(indices)
+            return self._pool.read(indices, draws)
         except DecoderGone as exc:
             raise SpecError(f"data.worker_kind: {exc} while reading {self.root} (data.worker_kind: threads "
                             "decodes in the training process)") from exc
@@ -154,10 +154,13 @@ class ImageFolderSource:
     def __len__(self) -> int:
         return len(self.files)
 
-    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    #: `read` takes the augmentation's draws and crops and flips the decoded pixels (`ImageAugment`)
+    augments_while_decoding = True
+
+    def read(self, indices: np.ndarray, draws: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         indices = np.asarray(indices, dtype=np.int64)
         try:
-            x = self._decode(indices)
+            x = self._decode(indices, draws)
         except ImageProblem as problem:
             raise SpecError(f"data.{problem.field}: {problem}") from problem
         return x, self.labels[indices]
@@ -173,36 +176,44 @@ def worker_kind(spec: DataSpec) -> str:
     return spec.worker_kind
 
 
-def make_augment(shape: tuple[int, int, int], options: AugmentSpec, fill: np.ndarray) -> Augment | None:
-    """Seeded random crop (pad by ``crop_padding`` with ``fill``, the normalised black of each channel, and
-    crop back) and horizontal flip, over a whole batch of flat (C, H, W) images at once.
+class ImageAugment:
+    """Seeded random crop (of the image padded by ``crop_padding`` with black) and horizontal flip of training
+    images. Each sample's crop and flip come from its own Generator (``rngs[i]``, seeded by seed, epoch and the
+    sample's index): three uniform draws, crop row, crop column and flip (`draws`).
 
-    Each sample's crop offsets and flip come from its own Generator (``rngs[i]``, seeded by seed, epoch and
-    the sample's index): three uniform draws, crop row, crop column and flip, whichever are used."""
-    c, h, w = shape
-    p = options.crop_padding
-    if not p and not options.horizontal_flip:
-        return None
+    The image sources apply the draws to the decoded uint8 pixels, in their decoding workers
+    (``read(indices, draws)``, `image_decode.augment_pixels`); called as ``(x, y, rngs)`` it does the same to a
+    batch already normalised to flat (C, H, W) float32 rows, padding with ``fill`` (the normalised black of each
+    channel), to the same bytes."""
 
-    def augment(x: np.ndarray, y: np.ndarray, rngs: Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
-        n = len(x)
+    def __init__(self, shape: tuple[int, int, int], options: AugmentSpec, fill: np.ndarray) -> None:
+        self.shape, self.padding, self.flip, self.fill = shape, options.crop_padding, options.horizontal_flip, fill
+
+    @staticmethod
+    def draws(rngs: Sequence[np.random.Generator]) -> np.ndarray:
+        """(n, 3) uniform draws, three from each sample's Generator."""
+        return np.array([rng.random(3) for rng in rngs]).reshape(len(rngs), 3)
+
+    def __call__(self, x: np.ndarray, y: np.ndarray, rngs: Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
+        n, (c, h, w) = len(x), self.shape
         if len(rngs) != n:
             raise ValueError(f"augment: {len(rngs)} generators for {n} samples")
-        draws = np.array([rng.random(3) for rng in rngs]).reshape(n, 3)
-        images = x.reshape(n, c, h, w)
+        dy, dx, flips = crops(self.draws(rngs), self.padding)
+        images, p = x.reshape(n, c, h, w), self.padding
         if p:
             padded = np.empty((n, c, h + 2 * p, w + 2 * p), dtype=x.dtype)
-            padded[:] = fill[None, :, None, None]
+            padded[:] = self.fill[None, :, None, None]
             padded[:, :, p:p + h, p:p + w] = images
-            dy, dx = (draws[:, :2] * (2 * p + 1)).astype(np.int64).T
             windows = np.lib.stride_tricks.sliding_window_view(padded, (h, w), axis=(2, 3))
             images = windows[np.arange(n), :, dy, dx]  # (n, c, h, w): each image's own window
-        if options.horizontal_flip:
-            flip = draws[:, 2] < 0.5
-            images = np.where(flip[:, None, None, None], images[..., ::-1], images)
+        if self.flip:
+            images = np.where(flips[:, None, None, None], images[..., ::-1], images)
         return np.ascontiguousarray(images, dtype=x.dtype).reshape(n, c * h * w), y
 
-    return augment
+
+def make_augment(shape: tuple[int, int, int], options: AugmentSpec, fill: np.ndarray) -> ImageAugment | None:
+    """The training batches' `ImageAugment` for ``data.augment`` (None when it asks for nothing)."""
+    return ImageAugment(shape, options, fill) if options.crop_padding or options.horizontal_flip else None
 
 
 def open_images(spec: DataSpec, seed: int) -> Data:

@@ -72,7 +72,8 @@ class ParquetImageSource(ParquetSource):
             height, width = self._first_size(f, path)
             reference = (f"the first image of {path}", height, width)
         return Decoder([], "L" if spec.channels == 1 else "RGB", height, width, spec.image_size is not None,
-                       scale.tolist(), offset.tolist(), reference, field=self.field)
+                       scale.tolist(), offset.tolist(), reference, field=self.field,
+                       crop_padding=spec.augment.crop_padding, horizontal_flip=spec.augment.horizontal_flip)
 
     def _first_size(self, f: int, path: Path) -> tuple[int, int]:
         for i in range(self._meta[f].num_row_groups):
@@ -100,7 +101,10 @@ class ParquetImageSource(ParquetSource):
         self._finite(y, self.label, "label", f, i, 0)
         return blobs, y
 
-    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    #: `read` takes the augmentation's draws and crops and flips the decoded pixels (`images.ImageAugment`)
+    augments_while_decoding = True
+
+    def read(self, indices: np.ndarray, draws: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         assert self.decoder is not None
         indices = np.asarray(indices, dtype=np.int64)
         groups = np.searchsorted(self.starts, indices, side="right") - 1
@@ -119,7 +123,7 @@ class ParquetImageSource(ParquetSource):
                 except ImageProblem as problem:
                     raise SpecError(f"data.{problem.field}: {problem}") from problem
                 y[k] = labels[row]
-        return d.normalise(pixels), y
+        return d.normalise(d.augment(pixels, draws)), y
 
 
 def open_parquet_data(spec: DataSpec, seed: int) -> Data:

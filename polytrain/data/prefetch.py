@@ -100,15 +100,18 @@ class Prefetcher:
     def read(self, source: Source, indices: np.ndarray, epoch: int, train: bool) -> Batch:
         """One batch: read, then (training only) augment, then the user's transform; both draw from the
         samples' Generators (`sample_rngs`: ``indices`` are the samples' indices in ``source``)."""
-        x, y = source.read(indices)
         augment = self.augment if train else None
         if augment is None and self.transform is None:
-            return x, y
+            return source.read(indices)
         rngs = None
         if augment is not None or self.transform.needs_rngs:  # type: ignore[union-attr]
             rngs = sample_rngs(self.seed, TRAINING if train else VALIDATION, epoch, indices)
-        if augment is not None:
-            x, y = augment(x, y, rngs)  # type: ignore[arg-type]
+        if augment is not None and getattr(source, "augments_while_decoding", False):
+            x, y = source.read(indices, draws=augment.draws(rngs))  # type: ignore[attr-defined, call-arg]
+        else:
+            x, y = source.read(indices)
+            if augment is not None:
+                x, y = augment(x, y, rngs)  # type: ignore[arg-type]
         if self.transform is not None:
             x, y = self._transform(x, y, rngs)
         return x, y

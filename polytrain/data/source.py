@@ -53,7 +53,9 @@ class Data:
     #: what the exactly-once and ordering guarantee of ``train`` is, in words (for the log)
     guarantee: str = "every sample once per epoch, fully shuffled"
     #: seeded augmentation of training batches, ``(x, y, rngs) -> (x, y)``, run in the data workers; ``rngs[i]``
-    #: is sample i's numpy Generator, seeded by (seed, epoch, its index in ``train``); None: none
+    #: is sample i's numpy Generator, seeded by (seed, epoch, its index in ``train``); None: none. A source whose
+    #: ``augments_while_decoding`` is true takes the augmentation's ``draws(rngs)`` in ``read(indices, draws)``
+    #: instead and applies them to what it decodes (the image sources: `polytrain.data.images.ImageAugment`)
     augment: Callable[[np.ndarray, np.ndarray, Sequence[np.random.Generator]],
                       tuple[np.ndarray, np.ndarray]] | None = None
 
@@ -90,8 +92,14 @@ class Subset:
     def __len__(self) -> int:
         return len(self.indices)
 
-    def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.parent.read(self.indices[indices])
+    @property
+    def augments_while_decoding(self) -> bool:
+        return bool(getattr(self.parent, "augments_while_decoding", False))
+
+    def read(self, indices: np.ndarray, draws: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if draws is None:
+            return self.parent.read(self.indices[indices])
+        return self.parent.read(self.indices[indices], draws=draws)  # type: ignore[call-arg]
 
     def order(self, seed: int, epoch: int) -> np.ndarray:
         position = np.full(len(self.parent), -1, dtype=np.int64)

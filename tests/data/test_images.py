@@ -123,6 +123,34 @@ def test_augment_is_a_seeded_crop_and_flip(tmp_path: Path) -> None:
     assert 10 < flips < 54 and len(shifts) > 5
 
 
+@pytest.mark.parametrize("kind", ["threads", "processes"])
+def test_augmenting_the_decoded_pixels_gives_the_bytes_of_augmenting_the_normalised_batch(tmp_path: Path,
+                                                                                        kind: str) -> None:
+    """The sources crop and flip the uint8 pixels while decoding (in the decoding processes too); that is byte for
+    byte the float path's crop of the normalised image padded with the normalised black, also through a split's
+    `Subset`, and the sample's Generators are left as the float path leaves them (for a transform after)."""
+    write_tree(tmp_path / "tree", {"a": 20, "b": 20})
+    options = AugmentSpec(crop_padding=2, horizontal_flip=True)
+    data = open_images(spec(tmp_path / "tree", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), val_fraction=0.25,
+                            workers=2, worker_kind=kind, augment=options), seed=0)
+    try:
+        augment = data.augment
+        assert augment is not None and data.train.augments_while_decoding
+        order = np.random.default_rng(1).permutation(len(data.train))
+        plain, y = data.train.read(order)
+        want, _ = augment(plain, y, sample_rngs(3, 0, 2, order))
+        rngs = sample_rngs(3, 0, 2, order)
+        got, y2 = data.train.read(order, draws=augment.draws(rngs))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(y2, y)
+        assert not np.array_equal(got, plain)
+        after = sample_rngs(3, 0, 2, order)
+        augment(plain, y, after)
+        assert [r.random() for r in rngs] == [r.random() for r in after]
+    finally:
+        data.train.parent.close()  # type: ignore[attr-defined]
+
+
 def test_a_png_named_jpg_still_opens(tmp_path: Path) -> None:
     write_tree(tmp_path / "tree", {"a": 1, "b": 1}, channels=1)
     (tmp_path / "tree" / "a" / "img000.png").rename(tmp_path / "tree" / "a" / "img000.jpg")

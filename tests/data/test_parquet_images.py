@@ -13,6 +13,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 Image = pytest.importorskip("PIL.Image")
 
 from polytrain.data.parquet_images import ParquetImageSource, open_parquet_data  # noqa: E402
+from polytrain.data.prefetch import sample_rngs  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
 from polytrain.spec import AugmentSpec, DataSpec  # noqa: E402
 from tests.data.test_images import H, W, ids, pixels  # noqa: E402
@@ -65,6 +66,13 @@ def test_resize_normalise_augment_and_a_separate_val_file(tmp_path: Path) -> Non
     assert data.augment is not None
     x, _ = data.val.read(np.arange(6))
     assert x.shape == (6, 30) and -1.0 <= x.min() and x.max() <= 1.0 and x.std() > 0.1
+    # the flip is applied to the decoded pixels, to the bytes of flipping the normalised batch
+    rngs = sample_rngs(0, 0, 0, np.arange(20))
+    got, _ = data.train.read(np.arange(20), draws=data.augment.draws(rngs))
+    plain, y = data.train.read(np.arange(20))
+    want, _ = data.augment(plain, y, sample_rngs(0, 0, 0, np.arange(20)))
+    np.testing.assert_array_equal(got, want)
+    assert 0 < sum(not np.array_equal(a, b) for a, b in zip(got, plain)) < 20
 
 
 def test_exactly_once_across_ranks_and_micro_steps(tmp_path: Path, exactly_once) -> None:
