@@ -67,6 +67,15 @@ def check_fp16_runs(device: torch.device) -> None:
             from None
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether no element of ``tensors`` is NaN or ±Inf, in one host sync: their sum (accumulated in fp32) is
+    finite exactly then, as an Inf or NaN anywhere makes it Inf or NaN. A sum beyond fp32's range from finite
+    values (gradients near 1e38) also counts as not finite, as such an update would be. Half the work of summing
+    their norms (which overflow for values near 1e19) and a fraction of testing each element."""
+    sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel()]
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
+
+
 def rebuilt_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
                       model: nn.Module) -> torch.optim.Optimizer:
     """The same optimizer — its class and every group's settings — over ``model``'s parameters as they are now,
@@ -303,10 +312,7 @@ class TorchBackend:
         Data-parallel backends hold the same averaged gradients on every rank after the sync, so the
         local answer is everyone's answer; sharded backends override this with an all-reduce.
         """
-        grads = [p.grad for p in self.unwrap(model).parameters() if p.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()))
+        return all_finite([p.grad for p in self.unwrap(model).parameters() if p.grad is not None])
 
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's state (collective on sharded backends)."""

@@ -38,7 +38,7 @@ from torch import nn
 
 from polytrain import jsonfiles
 from polytrain.adapters.torch import zero_infinity
-from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.backend import TorchBackend, all_finite
 from polytrain.adapters.torch.rendezvous import let_go_of, live_groups
 from polytrain.backend_options import check_owned
 from polytrain.errors import BackendUnavailableError, SpecError
@@ -264,7 +264,7 @@ class DeepSpeedBackend(TorchBackend):
         partitions = [t for group in (held.values() if isinstance(held, dict) else held) if group
                       for t in (group if isinstance(group, list) else [group]) if torch.is_tensor(t)]
         grads = partitions + [p.grad for p in self.unwrap(model).parameters() if p.grad is not None]
-        bad = float(any(not bool(torch.isfinite(g).all()) for g in grads if g.numel()))
+        bad = float(not all_finite(grads))
         return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
 
     def grad_scaler(self) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from polytrain.adapters.torch.backend import TorchBackend, check_fp16_runs
+from polytrain.adapters.torch.backend import TorchBackend, all_finite, check_fp16_runs
 from polytrain.adapters.torch.execution import block_modules, compile_module, find_unit_classes
 from polytrain.errors import OwnLoopError, SpecError
 from polytrain.spec import TrainSpec
@@ -185,7 +185,7 @@ class FSDPBackend(TorchBackend):
     def grads_finite(self, model: nn.Module) -> bool:
         """Each rank checks its gradient shards; one all-reduce gives every rank the same answer."""
         grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
-        bad = float(any(not bool(torch.isfinite(g).all()) for g in grads if g.numel()))
+        bad = float(not all_finite(grads))
         return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
 
     def grad_scaler(self) -> Any | None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from polytrain.adapters.torch.backend import LossSum, TorchBackend
+from polytrain.adapters.torch.backend import LossSum, TorchBackend, all_finite
 from polytrain.adapters.torch.execution import block_modules, compile_module
 from polytrain.adapters.torch.parallel import state as layout_state
 from polytrain.adapters.torch.parallel.data import DataDimension, DDPDimension, FSDPDimension
@@ -201,7 +201,7 @@ class ParallelBackend(TorchBackend):
 
     def grads_finite(self, model: nn.Module) -> bool:
         grads = [layout_state.local(p.grad) for p in model.parameters() if p.grad is not None]
-        bad = float(any(not bool(torch.isfinite(g).all()) for g in grads if g.numel()))
+        bad = float(not all_finite(grads))
         return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
 
     def grad_scaler(self) -> Any | None:
