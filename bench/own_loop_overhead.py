@@ -27,7 +27,9 @@ from typing import Any
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench/ is a folder of the repository, not installed
 
-from bench.trainer_overhead import BATCH, HIDDEN, STEPS, WINDOW  # noqa: E402
+from bench.trainer_overhead import BATCH, HIDDEN, STEPS  # noqa: E402
+
+WINDOW = 20  # steps a variant runs before the next one takes its turn
 
 VARIANTS = ("raw", "polytrain", "accelerate", "fabric")
 LABELS = {"raw": "raw DDP (torch.distributed)", "polytrain": "polytrain.torch (ddp)", "accelerate": "Accelerate",
