@@ -1,4 +1,5 @@
-"""Reading batches ahead of the training loop, in background threads.
+"""Reading batches ahead of the training loop, in background threads (a source held in memory with nothing to
+run on its batches, such as the built-in datasets and arrays given to ``fit``, is read where the batch is used).
 
 Threads, not processes: the readers spend their time in pyarrow, Pillow, numpy and file reads,
 which release the GIL, and a thread hands its batch over without pickling (processes would copy
@@ -120,8 +121,16 @@ class Prefetcher:
         assert self.transform is not None
         return call_user(self.transform_name, user_name(self.transform.fn), self.transform, x, y, rngs)
 
-    def _submit(self, fn: Callable[..., Batch], *args: Any) -> Future[Batch] | Batch:
-        return self._pool.submit(fn, *args) if self._pool is not None else fn(*args)
+    def _threads(self, source: Source) -> ThreadPoolExecutor | None:
+        """The pool that reads ``source`` ahead, or None to read where the batch is used: a source held in memory
+        with nothing to run on its batches is read in a few array copies, less than a hand-off to a thread and
+        back, and the thread would only compete with the training step for the cores."""
+        inline = getattr(source, "in_memory", False) and self.augment is None and self.transform is None
+        return None if inline else self._pool
+
+    @staticmethod
+    def _submit(pool: ThreadPoolExecutor | None, fn: Callable[..., Batch], *args: Any) -> Future[Batch] | Batch:
+        return pool.submit(fn, *args) if pool is not None else fn(*args)
 
     @staticmethod
     def _result(item: Future[Batch] | Batch) -> Batch:
@@ -132,14 +141,15 @@ class Prefetcher:
         """``(step number, plan)`` pairs → ``(plan, its micro-batches)``, in order, read ahead."""
         pending: collections.deque[tuple[StepPlan, list[Future[Batch] | Batch]]] = collections.deque()
         plans = iter(plans)
+        pool = self._threads(source)
         try:
             while True:
-                while len(pending) < (self.depth if self._pool is not None else 1):
+                while len(pending) < (self.depth if pool is not None else 1):
                     nxt = next(plans, None)
                     if nxt is None:
                         break
                     _, plan = nxt
-                    pending.append((plan, [self._submit(self.read, source, idx, epoch, True)
+                    pending.append((plan, [self._submit(pool, self.read, source, idx, epoch, True)
                                            for idx in plan.micro_batches]))
                 if not pending:
                     return
@@ -154,9 +164,10 @@ class Prefetcher:
     def batches(self, source: Source, index_batches: Sequence[np.ndarray], epoch: int) -> Iterator[Batch]:
         """Evaluation batches, read ahead (no augmentation), at most ``depth`` × 2 in flight."""
         pending: collections.deque[Future[Batch] | Batch] = collections.deque()
+        pool = self._threads(source)
         try:
             for idx in index_batches:
-                pending.append(self._submit(self.read, source, idx, epoch, False))
+                pending.append(self._submit(pool, self.read, source, idx, epoch, False))
                 if len(pending) >= 2 * self.depth:
                     yield self._result(pending.popleft())
             while pending:

@@ -68,6 +68,9 @@ class ArraySource:
             raise SpecError(f"data: x and y must have the same length (x: {len(x)}, y: {len(y)})")
         self.x, self.y = x, y
 
+    #: a read is an array copy: the Prefetcher reads it where the batch is used, with no thread
+    in_memory = True
+
     def __len__(self) -> int:
         return len(self.x)
 
@@ -91,6 +94,10 @@ class Subset:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    @property
+    def in_memory(self) -> bool:
+        return bool(getattr(self.parent, "in_memory", False))
 
     @property
     def augments_while_decoding(self) -> bool:
