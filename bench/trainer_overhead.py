@@ -8,8 +8,9 @@ Both run the same epochs (digits, every sample once per epoch, shuffled per epoc
 the same way: the wall time from the end of step ``WARM`` to the end of step ``STEPS`` on rank 0, over that
 many steps, so each side pays for everything it does between steps, epoch starts included (forward, backward
 with DDP's all-reduce, the optimizer step, the batches, the Trainer's logging, finiteness check and read-ahead).
-The runs interleave (hand, polytrain, timeline, hand, ...) and the fastest of ``--rounds`` runs counts: on a
-shared 2-core machine a run's time moves by 10-20 % with what else runs, and the fastest is the least disturbed.
+The runs interleave, each round in a rotated order (hand, polytrain, timeline; polytrain, timeline, hand; ...),
+and the fastest of ``--rounds`` runs counts: on a shared 2-core machine a run's time moves by 10-20 % with what
+else runs, and the fastest is the least disturbed.
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         results = {}
-        for which in ("hand", "polytrain", "timeline") * args.rounds:  # interleaved, the fastest of each counts
+        kinds = ("hand", "polytrain", "timeline")
+        # interleaved, and each round in another order (a run right after another ran slower here, whichever it
+        # was); the fastest of each counts
+        for which in [kinds[(r + k) % 3] for r in range(args.rounds) for k in range(3)]:
             cmd = [torchrun, "--nproc_per_node=2", "--standalone", __file__, which, str(out / which)]
             subprocess.run(cmd, check=True, env=env, timeout=900, stdout=subprocess.DEVNULL)
             step = json.loads((out / which / "result.json").read_text())["step_s"]
