@@ -194,7 +194,8 @@ class ImageAugment:
         """(n, 3) uniform draws, three from each sample's Generator."""
         return np.array([rng.random(3) for rng in rngs]).reshape(len(rngs), 3)
 
-    def __call__(self, x: np.ndarray, y: np.ndarray, rngs: Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, x: np.ndarray, y: np.ndarray,
+                 rngs: Sequence[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
         n, (c, h, w) = len(x), self.shape
         if len(rngs) != n:
             raise ValueError(f"augment: {len(rngs)} generators for {n} samples")

@@ -1,6 +1,6 @@
 """``polytrain plan SPEC -np N [--nodes K] [--device-memory 80GiB] [--host-memory SIZE]
-[--link intra=GB/s,inter=GB/s | --probe] [--device-tflops T] [--nvme-path DIR] [--json]``: which layouts fit, what each rank holds and sends per step,
-and the one to run.
+[--link intra=GB/s,inter=GB/s | --probe] [--device-tflops T] [--nvme-path DIR] [--json]``: which layouts fit, what
+each rank holds and sends per step, and the one to run.
 
 One census of the model (`census.take_census`), then for every candidate (`candidates.candidates`) the memory
 (`memory.predict_memory`) and communication (`comms.predict_comms`) predictions, and a step time (the census'
@@ -93,8 +93,9 @@ def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, ce
     if best is not None:
         _check_overrides(spec, best["set"])
     return {"model": census.model, "parameters": census.numel, "world_size": world, "nodes": nodes,
-            "device_memory": device_memory, "host_memory": host_memory, "precision": spec.precision, "optimizer": spec.optimizer.name,
-            "link": asdict(link), "device_tflops": tflops, "layouts": rows, "recommended": best}
+            "device_memory": device_memory, "host_memory": host_memory, "precision": spec.precision,
+            "optimizer": spec.optimizer.name, "link": asdict(link), "device_tflops": tflops, "layouts": rows,
+            "recommended": best}
 
 
 def predict(spec: Any, census: Any, layout: Any, world: int, nodes: int = 1, link: Link | None = None,
@@ -185,7 +186,7 @@ def plan_from_args(args: argparse.Namespace) -> int:
     link = parse_link(args.link) if args.link is not None else Link()
     spec = validation.load(args.spec, args.set or ())
     check_numbers(args.nproc, args.nodes, args.device_tflops)
-    named = [host for host in (args.hosts or "").split(",") if host.strip()]
+    named = [name for name in (args.hosts or "").split(",") if name.strip()]
     if args.probe and named and len(named) != args.nodes:
         raise SpecError(f"--nodes: {args.nodes}, but -H names {len(named)} host(s); the probe measures the links "
                         f"of the hosts the plan is for (give --nodes {len(named)})")

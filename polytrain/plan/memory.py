@@ -19,8 +19,9 @@ What each backend holds, as polytrain runs it (the formulas the bench and the te
   partition (a temporary). In fp32 without offload polytrain shares the master partition with the model's.
 - ``deepspeed`` ZeRO-3: each parameter partitioned on its own (``ceil(n / D)``), parameters below
   ``stage3_param_persistence_threshold`` elements also kept whole; gradients (in the model's precision; the fp32
-  copy made for the step a temporary) and optimizer state of the partition; while a module runs, its gathered parameters and their gradients (the largest module's), and the
-  gathered parameters DeepSpeed keeps from forward to backward (within ``stage3_max_reuse_distance``).
+  copy made for the step a temporary) and optimizer state of the partition; while a module runs, its gathered
+  parameters and their gradients (the largest module's), and the gathered parameters DeepSpeed keeps from forward
+  to backward (within ``stage3_max_reuse_distance``).
 - offload (ZeRO-Offload, ZeRO-Infinity, FSDP ``cpu_offload``): those states in host memory (`Prediction.host`);
   to an NVMe drive (ZeRO-Infinity's ``nvme``): on the drive (`Prediction.drive`) what DeepSpeed swaps, a tensor
   part of at least 1 MiB per rank (the flat fp32 partition with its optimizer state, large parameters' gradients

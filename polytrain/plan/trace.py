@@ -20,6 +20,7 @@ from polytrain.spec import TrainSpec
 PRE, POST = -1, 1 << 30
 TRACE_BATCHES = (1, 2)
 
+
 @dataclass(frozen=True)
 class Linear:
     """``const + per_sample × batch`` bytes."""

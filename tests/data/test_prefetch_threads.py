@@ -23,8 +23,8 @@ class Recording(ArraySource):
 
 
 def read_epoch(source: object, prefetcher: Prefetcher) -> list[np.ndarray]:
-    plans = epoch_plan(len(source), seed=0, epoch=0, global_batch=8, world_size=1, rank=0, accum=1,  # type: ignore[arg-type]
-                       order=source.order(0, 0))  # type: ignore[attr-defined]
+    plans = epoch_plan(len(source), seed=0, epoch=0, global_batch=8,  # type: ignore[arg-type]
+                       world_size=1, rank=0, accum=1, order=source.order(0, 0))  # type: ignore[attr-defined]
     out = [x for _, batches in prefetcher.steps(source, enumerate(plans), 0) for x, _ in batches]  # type: ignore[arg-type]
     out += [x for x, _ in prefetcher.batches(source, [np.arange(8), np.arange(8, 16)], 0)]  # type: ignore[arg-type]
     return out
