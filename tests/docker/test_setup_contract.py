@@ -54,26 +54,48 @@ def test_every_extra_the_image_asks_for_is_in_setup_cfg(flavour: str) -> None:
     assert sorted(extras - known) == [], f"Dockerfile.{flavour} asks for extras setup.cfg does not define"
 
 
-def install_inputs() -> set[str]:
-    """The repository files the install reads: those setup.sh names, and what setuptools builds from."""
+def install_inputs() -> tuple[set[str], set[str]]:
+    """(the repository files the install reads: those setup.sh names, what setuptools builds from and the module
+    setup.cfg reads the version from; the package folders, which the editable install only maps)."""
     named = set(re.findall(r'\$repo/([\w./-]+)', SCRIPTS[0].read_text())) - {".venv"}  # made, not read
     config = configparser.ConfigParser()
     config.read(REPO / "setup.cfg")
     folders = {line.partition("=")[2].strip() for line in config["options"]["package_dir"].strip().splitlines()}
     readme = config["metadata"]["long_description"].removeprefix("file:").strip()
-    return named | folders | {readme, "MANIFEST.in", "setup.py", "pyproject.toml"}
+    version = config["metadata"]["version"].removeprefix("attr:").strip().rpartition(".")[0].replace(".", "/") + ".py"
+    return named | {readme, "MANIFEST.in", "setup.py", "pyproject.toml", version}, folders
 
 
-@pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
-def test_the_builder_copies_every_file_the_install_reads(flavour: str) -> None:
-    """A file setup.sh or setuptools reads that the builder does not COPY fails only at docker build."""
-    text = DOCKERFILES[flavour].read_text()
+def builder_gaps(text: str) -> tuple[list[str], list[str]]:
+    """(files the install reads that the builder does not COPY before setup.sh, package folders it neither copies
+    nor makes as an empty package there)."""
     before_setup = text[:text.index("    scripts/setup.sh")]
     copied = set()
     for line in re.findall(r"^COPY (?!--from)(.+)$", before_setup, flags=re.M):
         copied |= {word.rstrip("/") for word in line.split()[:-1] if not word.startswith("--")}
-    needed = install_inputs()
-    assert {"constraints.txt", "setup.py", "scripts/setup.sh", "adapters"} <= needed
-    missing = sorted(path for path in needed
-                     if not any(path == c or path.startswith(c + "/") for c in copied))
-    assert missing == [], f"Dockerfile.{flavour}'s builder does not COPY what the install reads"
+    runs = " ".join(re.findall(r"^RUN (.+(?:\n .+)*)", before_setup, flags=re.M))
+    made = set(re.findall(r"([\w./-]+)/__init__\.py", runs))
+    files, folders = install_inputs()
+
+    def covered(path: str) -> bool:
+        return any(path == c or path.startswith(c + "/") for c in copied)
+
+    return (sorted(path for path in files if not covered(path)),
+            sorted(folder for folder in folders if not covered(folder) and folder not in made))
+
+
+@pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
+def test_the_builder_has_every_file_the_install_reads(flavour: str) -> None:
+    """A file setup.sh or setuptools reads that the builder does not COPY fails only at docker build. The package
+    folders need only exist (copied, or made as empty packages by a RUN before setup.sh): polytrain is an
+    editable install, which maps them and reads no code in them."""
+    files, folders = install_inputs()
+    assert {"constraints.txt", "setup.py", "scripts/setup.sh", "polytrain/version.py"} <= files
+    assert {"polytrain", "adapters", "launchers"} <= folders
+    assert builder_gaps(DOCKERFILES[flavour].read_text()) == ([], [])
+
+
+def test_a_builder_missing_a_file_or_a_package_folder_is_caught() -> None:
+    text = DOCKERFILES["cpu"].read_text()
+    assert builder_gaps(text.replace(" launchers/__init__.py", "")) == ([], ["launchers"])
+    assert builder_gaps(text.replace("COPY polytrain/version.py polytrain/\n", "")) == (["polytrain/version.py"], [])
