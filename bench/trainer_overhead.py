@@ -1,8 +1,9 @@
 """The polytrain Trainer on DDP vs a hand-written DDP loop: same model, data, batch, optimizer, steps.
 
 Run (2 ranks):  python bench/trainer_overhead.py [--rounds 3]     (starts itself under torchrun)
-Prints the time per step of each and their ratio (target: polytrain / hand-written <= 1.02), and the cost of
-recording a timeline (the Trainer with ``timeline`` on vs off).
+Also the same job as a Lightning Fabric loop, an Accelerate loop and under the Lightning Trainer, where they are
+installed. Prints each one's time per step and its ratio to the hand-written loop (target: the Trainer <= 1.02 x
+and no slower than Fabric), and the Trainer with a timeline recorded.
 
 Both run the same epochs (digits, every sample once per epoch, shuffled per epoch, no validation) and are timed
 the same way: the wall time from the end of step ``WARM`` to the end of step ``STEPS`` on rank 0, over that
@@ -16,6 +17,7 @@ else runs, and the fastest is the least disturbed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +29,9 @@ from pathlib import Path
 STEPS, WARM, BATCH, HIDDEN = 400, 40, 64, (1024, 1024)
 
 
-def hand_written(out: Path) -> float:
+def own_loop(which: str) -> float:
+    """The hand-written loop on raw DDP (``hand``), or the same loop set up and stepped through Lightning Fabric
+    (``fabric``) or Accelerate (``accelerate``), as their users write it."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -38,12 +42,28 @@ def hand_written(out: Path) -> float:
     from polytrain.data import load_dataset
     from polytrain.spec import DataSpec
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # the peers find the group made, as under a launcher that made it
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_dataset(DataSpec(batch_size=BATCH, val_fraction=0.0), seed=0)
     torch.manual_seed(0)
-    model = DDP(build_model("mlp", {"hidden_sizes": list(HIDDEN)}, data.info))
+    model = build_model("mlp", {"hidden_sizes": list(HIDDEN)}, data.info)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    backward = torch.Tensor.backward
+    if which == "hand":
+        model = DDP(model)
+    elif which == "fabric":
+        from lightning.fabric import Fabric
+
+        fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp")
+        fabric.launch()
+        model, opt = fabric.setup(model, opt)
+        backward = fabric.backward
+    else:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        model, opt = accelerator.prepare(model, opt)
+        backward = accelerator.backward
     x, y = torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)
     n = len(x)
     per_epoch = n // (BATCH * world)
@@ -53,7 +73,7 @@ def hand_written(out: Path) -> float:
         for s in range(min(per_epoch, STEPS - step)):
             idx = order[(s * world + rank) * BATCH:(s * world + rank + 1) * BATCH]
             loss = F.cross_entropy(model(x[idx]), y[idx], reduction="sum") * (1 / BATCH)
-            loss.backward()
+            backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss.item()
@@ -64,6 +84,48 @@ def hand_written(out: Path) -> float:
     seconds = (time.perf_counter() - started) / (STEPS - WARM)
     dist.destroy_process_group()
     return seconds
+
+
+def lightning_trainer(out: Path) -> float:
+    """The same job as a LightningModule under the Lightning Trainer (its DataLoader with a distributed sampler,
+    shuffled per epoch; no validation, logger, checkpoints or progress bar)."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from polytrain.adapters.torch.models import build_model
+    from polytrain.data import load_dataset
+    from polytrain.spec import DataSpec
+
+    data = load_dataset(DataSpec(batch_size=BATCH, val_fraction=0.0), seed=0)
+    ends: dict[int, float] = {}
+
+    class Job(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = build_model("mlp", {"hidden_sizes": list(HIDDEN)}, data.info)
+
+        def training_step(self, batch: tuple, index: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.model(x), y, reduction="sum") * (1 / BATCH)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    class LightningClock(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+            if trainer.global_step in (WARM, STEPS):
+                ends[trainer.global_step] = time.perf_counter()
+
+    loader = DataLoader(TensorDataset(torch.from_numpy(data.x_train), torch.from_numpy(data.y_train)),
+                        batch_size=BATCH, shuffle=True, drop_last=True)
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy="ddp", max_steps=STEPS,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[LightningClock()], default_root_dir=str(out))
+    trainer.fit(Job(), loader)
+    return (ends[STEPS] - ends[WARM]) / (STEPS - WARM)
 
 
 class Clock:
@@ -93,9 +155,20 @@ def polytrain_trainer(out: Path, timeline: bool = False) -> float:
 def worker(which: str, out: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out.mkdir(parents=True, exist_ok=True)
-    seconds = hand_written(out) if which == "hand" else polytrain_trainer(out, timeline=which == "timeline")
+    if which in ("hand", "fabric", "accelerate"):
+        seconds = own_loop(which)
+    elif which == "lightning":
+        seconds = lightning_trainer(out)
+    else:
+        seconds = polytrain_trainer(out, timeline=which == "timeline")
     if os.environ.get("RANK") == "0":
         (out / "result.json").write_text(json.dumps({"step_s": seconds}))
+
+
+#: what runs, and its label; the peers where they are installed
+KINDS = {"hand": "hand-written DDP loop", "polytrain": "polytrain Trainer", "timeline": "... with a timeline",
+         "fabric": "Lightning Fabric loop", "accelerate": "Accelerate loop", "lightning": "Lightning Trainer"}
+PEERS = {"fabric": "lightning", "accelerate": "accelerate", "lightning": "lightning"}
 
 
 def main() -> None:
@@ -107,27 +180,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs of each (the fastest counts)")
     args = parser.parse_args()
+    kinds = [k for k in KINDS if k not in PEERS or importlib.util.find_spec(PEERS[k]) is not None]
+    skipped = [f"{KINDS[k]} ({PEERS[k]} is not installed)" for k in KINDS if k not in kinds]
     torchrun = str(Path(sys.executable).parent / "torchrun")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         results = {}
-        kinds = ("hand", "polytrain", "timeline")
         # interleaved, and each round in another order (a run right after another ran slower here, whichever it
         # was); the fastest of each counts
-        for which in [kinds[(r + k) % 3] for r in range(args.rounds) for k in range(3)]:
+        for which in [kinds[(r + k) % len(kinds)] for r in range(args.rounds) for k in range(len(kinds))]:
             cmd = [torchrun, "--nproc_per_node=2", "--standalone", __file__, which, str(out / which)]
-            subprocess.run(cmd, check=True, env=env, timeout=900, stdout=subprocess.DEVNULL)
+            subprocess.run(cmd, check=True, env=env, timeout=900, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
             step = json.loads((out / which / "result.json").read_text())["step_s"]
             results[which] = min(results.get(which, float("inf")), step)
-    ratio = results["polytrain"] / results["hand"]
     print(f"model: MLP {HIDDEN} on digits, batch {BATCH}/rank, 2 ranks (DDP, gloo); steps {WARM}-{STEPS}, "
-          f"fastest of {args.rounds}")
-    print(f"hand-written DDP loop : {results['hand'] * 1e3:8.3f} ms/step")
-    print(f"polytrain Trainer     : {results['polytrain'] * 1e3:8.3f} ms/step")
-    print(f"ratio polytrain/hand  : {ratio:.3f}  (target <= 1.02)")
-    print(f"with a timeline       : {results['timeline'] * 1e3:8.3f} ms/step, "
-          f"{results['timeline'] / results['polytrain']:.3f} x without")
+          f"fastest of {args.rounds}" + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    for which in kinds:
+        print(f"{KINDS[which]:24s}: {results[which] * 1e3:8.3f} ms/step  {results[which] / results['hand']:.3f} x hand")
+    print("target: polytrain Trainer <= 1.02 x hand, and no slower than Fabric")
 
 
 if __name__ == "__main__":
