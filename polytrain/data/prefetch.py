@@ -100,14 +100,15 @@ class Prefetcher:
 
     def read(self, source: Source, indices: np.ndarray, epoch: int, train: bool) -> Batch:
         """One batch: read, then (training only) augment, then the user's transform; both draw from the
-        samples' Generators (`sample_rngs`: ``indices`` are the samples' indices in ``source``)."""
+        samples' Generators (`sample_rngs`: ``indices`` are the samples' indices in ``source``). A source that
+        ``augments_while_decoding`` gets the augmentation's draws with the read and applies them itself."""
         augment = self.augment if train else None
         if augment is None and self.transform is None:
             return source.read(indices)
         rngs = None
         if augment is not None or self.transform.needs_rngs:  # type: ignore[union-attr]
             rngs = sample_rngs(self.seed, TRAINING if train else VALIDATION, epoch, indices)
-        if augment is not None and getattr(source, "augments_while_decoding", False):
+        if hasattr(augment, "draws") and getattr(source, "augments_while_decoding", False):
             x, y = source.read(indices, draws=augment.draws(rngs))  # type: ignore[attr-defined, call-arg]
         else:
             x, y = source.read(indices)
