@@ -191,6 +191,7 @@ def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from polytrain.adapters.torch.framework import AUTOCAST_DTYPES
     from polytrain.zoo import ZOO
 
     if spec.framework != "torch" and spec.model.name not in ZOO:
@@ -214,10 +215,10 @@ def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None 
         sample = tuple(t.numel() * t.element_size() for t in example_batch(info, 1))
         traces[1], local[1] = trace_model(spec, info, model, blocks, backward=False), params
         native = None
-        if spec.precision in ("bf16", "fp16"):
+        if spec.precision in AUTOCAST_DTYPES:
             cast = build_fake(spec, info)
             for p in cast.parameters():  # not Module.to: it swaps tensors, which fake ones (weakly referenced) refuse
-                p.data = p.data.to(torch.bfloat16 if spec.precision == "bf16" else torch.float16)
+                p.data = p.data.to(AUTOCAST_DTYPES[spec.precision])
             native = trace_model(spec, info, cast, _blocks(cast, spec), backward=False, native=True)
     for degree in degrees:
         with _fake_group(degree) as mesh, FakeTensorMode(allow_non_fake_inputs=True):

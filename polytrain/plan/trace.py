@@ -178,11 +178,12 @@ def _trace_once(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], batch
     import torch
 
     from polytrain import objectives
+    from polytrain.adapters.torch.framework import AUTOCAST_DTYPES
     from polytrain.adapters.torch.objectives import loss_fn
 
     loss = loss_fn(objectives.loss_name(spec.loss, info.task), None)
     x, y = example_batch(info, batch)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision)
+    dtype = AUTOCAST_DTYPES.get(spec.precision)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None and not native else contextlib.nullcontext()
     if native and x.is_floating_point():
         x = x.to(dtype)
