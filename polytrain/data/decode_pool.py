@@ -119,7 +119,8 @@ class DecodePool:
         try:
             if process.dead:  # one process ended: every later read says so instead of waiting for it
                 raise DecoderGone(self.gone)
-            need = max(1, n * int(np.prod(self.shape)))
+            size = n * int(np.prod(self.shape))
+            need = max(1, size)
             request: dict[str, Any] = {"indices": [int(i) for i in indices]}
             if draws is not None:
                 request["draws"] = draws.tolist()  # JSON keeps every float exactly
@@ -147,8 +148,7 @@ class DecodePool:
             if "error" in reply:
                 raise ImageProblem(reply["field"], reply["error"])
             assert process.buffer is not None
-            pixels = np.frombuffer(process.buffer, dtype=np.uint8, count=n * int(np.prod(self.shape)))
-            pixels = pixels.reshape(n, *self.shape)
+            pixels = np.frombuffer(process.buffer, dtype=np.uint8, count=size).reshape(n, *self.shape)
             return image_decode.normalise(pixels, self.scale, self.offset)
         finally:
             self._idle.put(process)

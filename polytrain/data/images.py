@@ -45,8 +45,6 @@ def image_suffixes() -> tuple[str, ...]:
     return tuple(s for s in FORMATS if known.get(s) in Image.OPEN)
 
 
-
-
 def _class_folders(root: Path, field: str) -> list[str]:
     if not root.is_dir():
         raise SpecError(f"data.{field}: {root} is not a directory (images: one sub-directory of images per class)")
