@@ -67,7 +67,8 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "mlp-zero1-bf16": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 1}, "precision": "bf16"}),
     "mlp-zero2-bf16": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 2}, "precision": "bf16"}),
     "mlp-ddp-accum2": (2, {**MLP, **ADAM, "backend": "ddp", "loop": {"grad_accum_steps": 2}}),
-    "mlp-fsdp-bf16-accum2": (2, {**MLP, **ADAM, "backend": "fsdp", "precision": "bf16", "loop": {"grad_accum_steps": 2}}),
+    "mlp-fsdp-bf16-accum2": (2, {**MLP, **ADAM, "backend": "fsdp", "precision": "bf16",
+                                 "loop": {"grad_accum_steps": 2}}),
     "mlp-zero2-accum2": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 2},
                              "loop": {"grad_accum_steps": 2}}),
     "mlp-zero1-accum2": (2, {**MLP, **ADAM, "backend": "deepspeed", "deepspeed": {"stage": 1},
@@ -92,9 +93,9 @@ def job_command(world: int, out: str, names: list[str], bin_dir: Path, port: int
     """The command that measures ``names`` on ``world`` ranks, writing ``OUT.<rank>.json``: torchrun, or on more
     than one node (`NODES`) one torchrun agent per node, all on this host, under one shell that fails if any does."""
     nodes = NODES[world]
-    agents = [[str(bin_dir / "torchrun"), f"--nnodes={nodes}", f"--node_rank={r}", f"--nproc_per_node={world // nodes}",
-               "--master_addr=127.0.0.1", f"--master_port={port}", str(Path(__file__).resolve()), out, ",".join(names)]
-              for r in range(nodes)]
+    agents = [[str(bin_dir / "torchrun"), f"--nnodes={nodes}", f"--node_rank={r}",
+               f"--nproc_per_node={world // nodes}", "--master_addr=127.0.0.1", f"--master_port={port}",
+               str(Path(__file__).resolve()), out, ",".join(names)] for r in range(nodes)]
     if nodes == 1:
         return agents[0]
     return ["bash", "-c", " & ".join(shlex.join(a) for a in agents)
@@ -229,6 +230,9 @@ def measure(name: str, world: Any) -> dict[str, Any]:
     from polytrain import registry, validation
 
     spec = validation.from_dict({**CASES[name][1], "output": tempfile.mkdtemp(prefix="polytrain-plan-"), "seed": 0})
+    # a ZeRO-3 engine replaces torch's linear for the rest of the process (DeepSpeed's memory-efficient linear,
+    # which saves other tensors for backward than autocast's): each case gets it back, as its own run would have
+    linear = torch.nn.functional.linear
     backend = registry.create_backend(spec, world)
     backend.setup()
     try:
@@ -249,7 +253,7 @@ def measure(name: str, world: Any) -> dict[str, Any]:
                     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
                         fw.train_micro_step(x, y, 1.0 / (batch * accum), sync=micro == accum - 1)
                     peak = max(peak, saved.peak)
-                    if step == 2 and micro == 0 and accum > 1:
+                    if step == 2 and micro == 0 and accum > 1 and spec.backend == "fsdp":
                         held = fsdp_accumulated(module)
                 if step == 2:
                     gc.collect()
@@ -263,6 +267,7 @@ def measure(name: str, world: Any) -> dict[str, Any]:
     finally:
         fw = None
         backend.teardown()
+        torch.nn.functional.linear = linear
 
 
 class _nothing:
@@ -297,7 +302,8 @@ def predicted(name: str) -> list[dict[str, Any]]:
 
 #: a layout's offload → the model-state parts it keeps in host memory: DeepSpeed's optimizer offload the fp32
 #: partition, its gradient and the optimizer state, with the parameters' offload their partitions too; FSDP's all
-OFFLOADED = {"optimizer": ("grads", "optimizer", "master"), "optimizer+params": ("params", "grads", "optimizer", "master"),
+OFFLOADED = {"optimizer": ("grads", "optimizer", "master"),
+             "optimizer+params": ("params", "grads", "optimizer", "master"),
              "cpu": ("params", "grads", "optimizer", "master")}
 
 
@@ -344,10 +350,7 @@ def main(out: str, names: list[str]) -> None:
     world = detect_world()
     dist.init_process_group("gloo")
     try:
-        # DeepSpeed's cases last: once a ZeRO-3 engine has run, torch's linear in this process is DeepSpeed's own
-        # (it saves its inputs, not autocast's casts), which would change what a later case keeps for backward
-        results = {name: measure(name, world)
-                   for name in sorted(names, key=lambda n: CASES[n][1]["backend"] == "deepspeed")}
+        results = {name: measure(name, world) for name in names}
     finally:
         dist.destroy_process_group()
     Path(f"{out}.{world.rank}.json").write_text(json.dumps(results))
