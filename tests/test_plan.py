@@ -160,6 +160,19 @@ def test_host_memory_rules_out_offload_that_a_node_cannot_hold(lm_spec, lm_censu
     assert "per node for offloaded states" in table(doc) and "not checked" in table(lm_plan)
 
 
+def test_a_tensorflow_spec_gets_its_data_parallel_rows() -> None:
+    """Sized through the zoo model's PyTorch twin: every rank holds the whole fp32 model, its gradients and
+    all-reduces them once per step, on each TensorFlow backend (no sharded or model-parallel rows)."""
+    spec = validation.from_dict({"framework": "tensorflow", "model": {"name": "mlp", "params": {"hidden_sizes": [32]}}})
+    doc = plan(spec, 2, 1, 80 * GiB, Link())
+    weights = 4 * (64 * 32 + 32 + 32 * 10 + 10)  # digits: 64 features, 10 classes
+    assert [row["layout"] for row in doc["layouts"]] == list(cand.TF_BACKENDS)
+    for row in doc["layouts"]:
+        assert (row["parameters"], row["gradients"], row["comm_payload"]) == (weights, weights, {"allreduce": weights})
+        assert row["set"] == [f"backend={row['layout']}"] and row["grid"] == [1, 2, 1]
+    assert doc["recommended"]["layout"] == "mpi"
+
+
 def test_recommended_overrides_run_the_layout(lm_spec, lm_plan) -> None:  # noqa: ANN001
     from polytrain.spec_files import apply_overrides
 
