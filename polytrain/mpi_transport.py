@@ -159,6 +159,10 @@ class MpiTransport:
         """Every rank's ``send`` (all of one size) into ``recv``, in rank order."""
         self.comm.Allgather(send, recv)
 
+    def start_allreduce(self, buf: np.ndarray, op: str = "sum") -> Any:
+        """Begin `allreduce` without blocking; the request to `wait` for (``buf`` must outlive it)."""
+        return self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.ops[op])
+
     def start_allgather(self, send: np.ndarray, recv: np.ndarray) -> Any:
         """Begin `allgather` without blocking; the request to `wait` for (both buffers must outlive it)."""
         return self.comm.Iallgather(send, recv)

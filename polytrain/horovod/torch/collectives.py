@@ -72,13 +72,14 @@ def announce(pending: Pending, kind: int, tensors: Sequence[torch.Tensor], proce
     checking = runtime().settings.metadata_check
     if not needed and not checking:
         return None
-    row = tuple(stall.record_values(kind, pending.name, tensors, extra=extra, uneven=uneven))
+    row = stall.record_row(kind, pending.name, tensors, extra=extra, uneven=uneven)
     hit = speculate.slot(set_id, row, group, size, pending.label, seq, payload)
     if hit is not None:
         return hit
     work, records = stall.start_exchange(torch.tensor(row, dtype=torch.int64), group, size)
     stall.wait(work, pending.label, set_id, seq, group)
-    speculate.learn(set_id, records, extra, speculate.allreduce_pieces(row, tensors[0].device) if tensors else None)
+    speculate.learn(set_id, records, extra, speculate.allreduce_pieces(row, tensors[0].device) if tensors else None,
+                    eager=True)
     if checking:
         stall.verify(records, pending.name, group, set_id, seq, uneven=uneven,
                      joined_ok=kind in JOINABLE and set_id == 0)
@@ -86,16 +87,22 @@ def announce(pending: Pending, kind: int, tensors: Sequence[torch.Tensor], proce
 
 
 def flagged(tensors: Sequence[torch.Tensor], prescale_factor: float, flag: int) -> torch.Tensor:
-    """``tensors`` flattened into one buffer, pre-scaled, with ``flag`` appended (a predicted op's data)."""
-    with torch.no_grad():
-        buffer = torch.empty(sum(t.numel() for t in tensors) + 1, dtype=tensors[0].dtype, device=tensors[0].device)
-        if len(tensors) == 1:
-            buffer[:-1].copy_(tensors[0].reshape(-1))
-        else:
-            torch.cat([t.reshape(-1) for t in tensors], out=buffer[:-1])
-        scale_(buffer[:-1], prescale_factor)
-        buffer[-1] = flag
+    """``tensors`` flattened into one buffer, pre-scaled, with ``flag`` appended (a predicted op's data): one
+    concatenation, this module's per-op cost being what a predicted small allreduce adds to the op itself."""
+    first = tensors[0]
+    key = (first.dtype, first.device, flag)
+    tail = _FLAG_TAILS.get(key)
+    if tail is None:
+        tail = _FLAG_TAILS[key] = torch.full((1,), flag, dtype=first.dtype, device=first.device)
+    buffer = torch.cat([*(t.detach().reshape(-1) for t in tensors), tail])
+    if prescale_factor != 1.0:
+        with torch.no_grad():
+            scale_(buffer[:-1], prescale_factor)
     return buffer
+
+
+#: the one-element flag tensors `flagged` appends, by (dtype, device, flag)
+_FLAG_TAILS: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
 
 
 def contiguous(tensor: torch.Tensor) -> None:

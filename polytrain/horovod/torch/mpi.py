@@ -36,6 +36,9 @@ from polytrain.mpi_transport import REDUCIBLE, MpiTransport, wait
 MPI_DTYPES = frozenset(d for d in DTYPES if str(d).removeprefix("torch.") in REDUCIBLE)
 #: tests of a pending record exchange before the calling thread starts sleeping between tests
 _SPINS = 200
+#: tests of a small allreduce run from the calling thread before sleeping: it completes within microseconds of the
+#: last rank's arrival, and a sleep (50 us and up) would cost more than the whole op
+_EAGER_SPINS = 20_000
 
 
 class MpiWork:
@@ -59,10 +62,11 @@ class MpiWork:
 class MpiRequest:
     """A non-blocking MPI call the calling thread polls (`polytrain.mpi_transport.wait`); a Work like `MpiWork`."""
 
-    def __init__(self, request: Any, *keep: Any) -> None:
+    def __init__(self, request: Any, *keep: Any, spins: int = _SPINS) -> None:
         self._request = request
         self._keep = keep
         self._done = False
+        self._spins = spins
 
     def is_completed(self) -> bool:
         self._done = self._done or bool(self._request.Test())
@@ -72,7 +76,7 @@ class MpiRequest:
         if self._done:
             return True
         seconds = None if timeout is None else timeout.total_seconds()
-        if not wait(self._request, spins=_SPINS, timeout=seconds):
+        if not wait(self._request, spins=self._spins, timeout=seconds):
             raise RuntimeError(f"MPI collective timed out after {timeout}")
         self._done = True
         return True
@@ -81,7 +85,8 @@ class MpiRequest:
 class MpiEngine:
     """One thread that runs MPI collectives in the order they were submitted.
 
-    Metadata records go on a second communicator, from the calling thread (`exchange`).
+    Metadata records go on a second communicator, from the calling thread (`exchange`), and so do the
+    small allreduces that take the place of an exchange (`all_reduce_now`, see `speculate`).
     """
 
     def __init__(self, comm: Any = None) -> None:
@@ -126,6 +131,12 @@ class MpiEngine:
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> MpiWork:
         send, recv = tensor.detach().numpy(), output.detach().numpy()
         return self._submit(lambda: self.data.allgather(send, recv), output, tensor)
+
+    def all_reduce_now(self, tensor: torch.Tensor, op: int) -> MpiRequest:
+        """Start reducing a small ``tensor`` from the calling thread, on the records' communicator: no hand-over to
+        the engine's thread, whose queue may hold large ops still in flight."""
+        buf = tensor.detach().numpy()
+        return MpiRequest(self.meta.start_allreduce(buf, REDUCTIONS[op]), buf, tensor, spins=_EAGER_SPINS)
 
     def exchange(self, record: torch.Tensor) -> tuple[MpiRequest, torch.Tensor]:
         """Start gathering every rank's int64 ``record``; returns (work, gathered[size, len])."""

@@ -17,7 +17,9 @@ Gloo and MPI never see buffers of different sizes, since every rank shapes the p
 shared prediction. A miss costs the predicted allreduces; the history then learns the new successor.
 
 Predicted: small allreduces (plain or grouped, one dtype, up to `SMALL_BYTES`; larger ones keep the exchange,
-cheap beside their transfer, and launch asynchronously), which wait for the verdict at launch; and a
+cheap beside their transfer, and launch asynchronously), which wait for the verdict at launch — on MPI their
+allreduce runs from the calling thread, on the records' communicator (`transport.all_reduce_now`): handing a
+4 KiB op to the engine's thread and waiting for it cost more than the op; and a
 DistributedOptimizer's step, whose gradient buckets then launch during backward without waiting for any
 exchange, the verdict read from the first bucket before the step uses them (`expect`, `defer`, `settle`).
 """
@@ -55,6 +57,9 @@ class _Successor:
     record: Row
     op: int
     pieces: Pieces
+    #: launched and waited for at once (a small allreduce, `slot`): its allreduce, and every rank's zeros in its
+    #: place, go by `transport.all_reduce_now`; else (a DistributedOptimizer's buckets) by `transport.all_reduce`
+    eager: bool = False
 
 
 @dataclass
@@ -95,9 +100,11 @@ def allreduce_pieces(row: Row, device: torch.device) -> Pieces | None:
     return ((row[stall.NUMEL] + 1, dtype, device),)
 
 
-def learn(set_id: int, records: torch.Tensor, op: int | None = None, pieces: Pieces | None = None) -> None:
+def learn(set_id: int, records: torch.Tensor, op: int | None = None, pieces: Pieces | None = None,
+          eager: bool = False) -> None:
     """After an exchange of set ``set_id`` (every member took part): remember its op as the successor of the ones
-    before, when every rank's record is the same; ``op``/``pieces``: how it would be predicted (None: never).
+    before, when every rank's record is the same; ``op``/``pieces``/``eager``: how it would be predicted (None:
+    never; see `_Successor`).
     Any disagreement (a mismatch, a rank inside join) leaves no op to predict from."""
     history = _history(set_id)
     if not bool((records == records[0]).all()):
@@ -108,7 +115,7 @@ def learn(set_id: int, records: torch.Tensor, op: int | None = None, pieces: Pie
         if len(history.next) >= _LIMIT:
             history.next.clear()
         usable = op in _FLAGS and pieces and pieces[0][1] in _FLAG_DTYPES
-        history.next[history.recent] = _Successor(row, op, pieces) if usable else None
+        history.next[history.recent] = _Successor(row, op, pieces, eager) if usable else None
     history.agreed(row)
 
 
@@ -130,11 +137,12 @@ def row_of(record: torch.Tensor) -> Row:
 def _decoy(successor: _Successor, group: Any) -> list[Any]:
     """Zeros in the predicted op's shape, flagged as not sent; the started works."""
     works = []
+    reduce = transport.all_reduce_now if successor.eager else transport.all_reduce
     for index, (numel, dtype, device) in enumerate(successor.pieces):
         buffer = torch.zeros(numel, dtype=dtype, device=device)
         if index == 0:
             buffer[-1] = _FLAGS[successor.op][1]
-        works.append(transport.all_reduce(buffer, successor.op, group))
+        works.append(reduce(buffer, successor.op, group))
     return works
 
 
@@ -160,9 +168,9 @@ def slot(set_id: int, record: Row | None, group: Any, size: int, label: str, seq
     history, successor = _predicted(set_id, size)
     if successor is None:
         return None
-    if payload is not None and len(successor.pieces) == 1 and record == successor.record:
+    if payload is not None and successor.eager and record == successor.record:
         buffer = payload(flag(successor.op))
-        works = [transport.all_reduce(buffer, successor.op, group)]
+        works = [transport.all_reduce_now(buffer, successor.op, group)]
     else:
         buffer, works = None, _decoy(successor, group)
     for work in works:

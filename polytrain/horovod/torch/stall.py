@@ -67,6 +67,26 @@ def make_record(kind: int, name: str | None, tensors: Sequence[torch.Tensor], ex
     return torch.tensor(record_values(kind, name, tensors, extra, uneven), dtype=torch.int64)
 
 
+def record_row(kind: int, name: str | None, tensors: Sequence[torch.Tensor], extra: int = 0,
+               uneven: bool = False) -> tuple[int, ...]:
+    """`record_values` as a tuple; a one-tensor op's row is remembered by what it is made of (an op repeated every
+    step costs a lookup)."""
+    if len(tensors) != 1:
+        return tuple(record_values(kind, name, tensors, extra, uneven))
+    key = (kind, name, extra, uneven, tensors[0].shape, tensors[0].dtype)
+    row = _ROWS.get(key)
+    if row is None:
+        if len(_ROWS) >= _ROWS_LIMIT:
+            _ROWS.clear()
+        row = _ROWS[key] = tuple(record_values(kind, name, tensors, extra, uneven))
+    return row
+
+
+#: `record_row`'s one-tensor rows, and how many it keeps before it starts over
+_ROWS: dict[tuple[Any, ...], tuple[int, ...]] = {}
+_ROWS_LIMIT = 4096
+
+
 def record_values(kind: int, name: str | None, tensors: Sequence[torch.Tensor], extra: int = 0,
                   uneven: bool = False) -> list[int]:
     """`make_record`'s fields, as Python ints."""

@@ -59,6 +59,15 @@ def all_reduce(tensor: torch.Tensor, op: int, group: Any = None) -> Any:
     return dist.all_reduce(tensor, op=TORCH_OPS[op], group=group, async_op=True)
 
 
+def all_reduce_now(tensor: torch.Tensor, op: int, group: Any = None) -> Any:
+    """`all_reduce` for a small op waited for right away: on MPI it runs from the calling thread, on the
+    communicator of the metadata records (every rank routes a predicted op here alike, see `speculate`)."""
+    engine = _engine_for(group, tensor)
+    if engine is not None:
+        return engine.all_reduce_now(tensor, op)
+    return all_reduce(tensor, op, group)
+
+
 def broadcast(tensor: torch.Tensor, root: int, group: Any = None) -> Any:
     """Start broadcasting ``tensor`` in place from global rank ``root``."""
     engine = _engine_for(group, tensor)
