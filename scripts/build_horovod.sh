@@ -5,11 +5,11 @@
 #   scripts/build_horovod.sh [PYTHON]        PYTHON defaults to <repo>/.venv/bin/python
 #
 # The wheel lands in ${POLYTRAIN_CACHE:-~/.cache/polytrain}/wheels/ as
-#   horovod-0.28.1+pt<torch>.tf<tf>.<mpi><version>.<cpuonly|nccl>.patch<N>-<pytag>-<pytag>-<platform>.whl
+#   horovod-0.28.1+pt<torch>.tf<tf>.<mpi><version>.<cpuonly|nccl>.patch<N>[g<M>]-<pytag>-<pytag>-<platform>.whl
 # The part after "+" is the cache key and also the wheel's local version, so
 # `pip list` shows what an installed Horovod was built against; a different
 # torch, TensorFlow, MPI, Python, GPU flavour or patch level (PATCH_LEVEL in
-# scripts/patch_horovod.py) means a new key and a rebuild.
+# scripts/patch_horovod.py; the NCCL build adds g<GPU_PATCH_LEVEL>) means a new key and a rebuild.
 #
 # Re-runs: the same Horovod installed and importable -> nothing to do; wheel
 # cached -> install it (~12 s of CPU, mostly importing TensorFlow); otherwise build (15-35 min on 2 cores,
@@ -133,7 +133,9 @@ if [[ "$WANT_NCCL" == NCCL ]] || { command -v nvidia-smi >/dev/null && nvidia-sm
   fi
 fi
 
-PATCH_LEVEL="$("$PYTHON" "$REPO/scripts/patch_horovod.py" --level)"
+PATCH_ARGS=()  # the NCCL build also gets the GPU patches (their own level: the CPU key never moves with them)
+[[ "$GPU_FLAVOR" == nccl ]] && PATCH_ARGS=(--gpu)
+PATCH_LEVEL="$("$PYTHON" "$REPO/scripts/patch_horovod.py" --level "${PATCH_ARGS[@]}")"
 KEY="pt${TORCH_VERSION//[^A-Za-z0-9.]/}.tf${TF_VERSION//[^A-Za-z0-9.]/}.${MPI_IMPL}${MPI_VERSION}.${GPU_FLAVOR}.patch${PATCH_LEVEL}"
 KEY="${KEY,,}"
 EXPECTED="$HVD_VERSION+$KEY"
@@ -185,7 +187,7 @@ build_wheel() {
   tar xzf "$sdist" -C "$BUILD_DIR" || return 1
   src="$BUILD_DIR/horovod-$HVD_VERSION"
   say "stage: patching the sources"
-  "$PYTHON" "$REPO/scripts/patch_horovod.py" "$src" >>"$LOG" 2>&1 || return 1
+  "$PYTHON" "$REPO/scripts/patch_horovod.py" "$src" "${PATCH_ARGS[@]}" >>"$LOG" 2>&1 || return 1
   say "stage: compiling (nice, MAKEFLAGS=-j2; 15-35 min on 2 cores); follow with: tail -f $LOG"
   nice -n 10 env \
     -u HOROVOD_GPU_OPERATIONS -u HOROVOD_GPU_ALLREDUCE -u HOROVOD_GPU_BROADCAST \

@@ -1,7 +1,11 @@
 """Patch an unpacked Horovod 0.28.1 sdist so it builds against torch 2.x and TF 2.21.
 
-Usage: python scripts/patch_horovod.py SOURCE_DIR
-       python scripts/patch_horovod.py --level     (prints PATCH_LEVEL)
+Usage: python scripts/patch_horovod.py SOURCE_DIR [--gpu]
+       python scripts/patch_horovod.py --level [--gpu]     (prints the patch level: PATCH_LEVEL, with --gpu
+                                                            followed by g<GPU_PATCH_LEVEL>)
+
+--gpu also applies GPU_PATCHES (the NCCL build's TensorFlow GPU code); they live apart, with a level of their
+own, so that a change to them never changes the CPU build's cache key.
 
 Each patch must match exactly once (or already be applied), so a different
 sdist fails loudly here instead of half-way through a 15-minute compile.
@@ -51,6 +55,60 @@ PATCHES: list[tuple[str, str, str]] = [
 ]
 
 
+#: TF's stream handle: the code below stands in for stream_executor::gpu::AsGpuStreamValue, which TF 2.17 removed
+_STREAM_HANDLE = """namespace stream_executor {
+namespace gpu {
+// polytrain: the CUDA/HIP stream behind a TensorFlow stream, as TF >= 2.17 hands it out
+inline ::GpuStreamHandle AsGpuStreamValue(Stream* stream) {
+  return static_cast<::GpuStreamHandle>(stream->platform_specific_handle().stream);
+}
+} // namespace gpu
+} // namespace stream_executor
+"""
+
+# Bump whenever GPU_PATCHES changes: it is in the NCCL build's cache key only.
+GPU_PATCH_LEVEL = 2
+
+# Compiled only with HAVE_GPU (HOROVOD_GPU_OPERATIONS=NCCL), against TF 2.21's headers and libraries.
+GPU_PATCHES: list[tuple[str, str, str]] = [
+    # NCCL's shared library, where HOROVOD_NCCL_LINK=SHARED linked it (the nvidia-nccl wheel; libnccl_static.a
+    # comes only with NVIDIA's devel images), found from the extensions in site-packages/horovod/<framework>/
+    # also by a process that loads TensorFlow's op library before (or without) torch.
+    (
+        "CMakeLists.txt",
+        'set(CMAKE_INSTALL_RPATH "\\$ORIGIN/../../../..")\n',
+        'set(CMAKE_INSTALL_RPATH "\\$ORIGIN/../../../..")\n'
+        'list(APPEND CMAKE_INSTALL_RPATH "\\$ORIGIN/../../nvidia/nccl/lib")  # polytrain: the NCCL wheel\n',
+    ),
+    # TF >= 2.17 has no stream_executor::gpu::AsGpuStreamValue (an undefined symbol at run time): declare nothing
+    # here, and define it after stream.h from the stream's platform handle.
+    (
+        "horovod/tensorflow/mpi_ops.cc",
+        "// Forward declaration of AsGpuStreamValue\nnamespace stream_executor {\nnamespace gpu {\n"
+        "GpuStreamHandle AsGpuStreamValue(Stream* stream);\n} // namespace stream_executor\n} // namespace gpu\n",
+        "// polytrain: AsGpuStreamValue is defined after stream.h below\n",
+    ),
+    (
+        "horovod/tensorflow/mpi_ops.cc",
+        '#include "tensorflow/stream_executor/stream.h"\n#endif // TENSORFLOW_VERSION >= 2011000000\n',
+        '#include "tensorflow/stream_executor/stream.h"\n#endif // TENSORFLOW_VERSION >= 2011000000\n'
+        + _STREAM_HANDLE,
+    ),
+    # The XLA custom-call ops are written against XLA headers TF 2.17+ no longer ships (tensorflow/compiler/xla/
+    # service, client): not built. HOROVOD_ENABLE_XLA_OPS then finds no Horovod XLA ops.
+    (
+        "horovod/tensorflow/xla_mpi_ops.cc",
+        "\n#include <unordered_map>\n",
+        "\n#include <unordered_map>\n\n#if TENSORFLOW_VERSION < 2017000000  // polytrain: not built on TF >= 2.17\n",
+    ),
+    (
+        "horovod/tensorflow/xla_mpi_ops.cc",
+        "#endif // TENSORFLOW_VERSION >= 2006000000\n",
+        "#endif // TENSORFLOW_VERSION >= 2006000000\n#endif  // polytrain: TENSORFLOW_VERSION < 2017000000\n",
+    ),
+]
+
+
 def apply_patch(root: Path, rel: str, old: str, new: str) -> str:
     """Apply one replacement; return 'patched' or 'already patched'."""
     path = root / rel
@@ -65,14 +123,17 @@ def apply_patch(root: Path, rel: str, old: str, new: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if argv[1:] == ["--level"]:
-        print(PATCH_LEVEL)
+    args = [a for a in argv[1:] if a != "--gpu"]
+    gpu = len(args) < len(argv) - 1
+    if args == ["--level"]:
+        print(f"{PATCH_LEVEL}g{GPU_PATCH_LEVEL}" if gpu else PATCH_LEVEL)
         return 0
-    if len(argv) != 2 or not Path(argv[1], "setup.py").is_file():
-        print("usage: patch_horovod.py SOURCE_DIR (an unpacked horovod sdist) | --level", file=sys.stderr)
+    if len(args) != 1 or not Path(args[0], "setup.py").is_file():
+        print("usage: patch_horovod.py SOURCE_DIR [--gpu] (an unpacked horovod sdist) | --level [--gpu]",
+              file=sys.stderr)
         return 2
-    root = Path(argv[1])
-    for rel, old, new in PATCHES:
+    root = Path(args[0])
+    for rel, old, new in PATCHES + (GPU_PATCHES if gpu else []):
         print(f"  {rel}: {apply_patch(root, rel, old, new)} ({old.strip().splitlines()[0]})")
     return 0
 
