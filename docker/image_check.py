@@ -3,6 +3,7 @@ it runs on the host's python3, before any venv exists.
 
     python3 docker/image_check.py                 # base image, Dockerfile.cpu, then every check in a container
     python3 docker/image_check.py --only info,torchrun
+    python3 docker/image_check.py --variant cuda  # Dockerfile.cuda on the same base, toolkit from PyPI, on the CPU
 
 Where no registry is reachable the base comes from Debian's packages: `mmdebstrap` writes a minimal bookworm
 with Python 3.11 (cached as a tar under the cache directory) and `podman import` makes it an image, passed to the
@@ -119,14 +120,14 @@ def base_image(podman: Podman, cache: Path) -> str:
     return BASE_TAG
 
 
-def pip_settings(private: Path) -> tuple[list[str], str | None]:
-    """podman build volumes that give the build the host's pip configuration, and the host's extra index URLs
-    (for the Dockerfile's TORCH_INDEX_URL, which replaces PIP_EXTRA_INDEX_URL)."""
+def pip_settings(private: Path, leave_out: Sequence[str] = ()) -> tuple[list[str], str | None]:
+    """podman build volumes that give the build the host's pip configuration (less the ``leave_out`` keys), and the
+    host's extra index URLs (for the Dockerfile's TORCH_INDEX_URL, which replaces PIP_EXTRA_INDEX_URL)."""
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
     settings: dict[str, str] = {}
     for line in listed.splitlines():
         found = re.match(r"^(?::env:|global|install)\.([\w-]+)='(.*)'$", line)
-        if found:
+        if found and found.group(1) not in leave_out:
             settings[found.group(1)] = found.group(2)
     conf = private / "pip.conf"
     conf.write_text("[global]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
@@ -167,16 +168,28 @@ def seed_horovod(podman: Podman, cache: Path) -> list[str]:
     return [w.name for w in wheels]
 
 
-def build(podman: Podman, dockerfile: str, tag: str, base_args: Sequence[str], log: Path) -> float:
+def cuda_args(base: str, archs: str) -> list[str]:
+    """Dockerfile.cuda's build args for the local Debian base: no NVIDIA image, the toolkit from PyPI, and the GPU
+    generations ``archs`` (``8.0,9.0``) alone, which keeps nvcc's share of the build short."""
+    if not re.fullmatch(r"\d+\.\d+(,\d+\.\d+)*", archs):
+        raise CheckFailed(f"--cuda-archs: expected compute capabilities like 8.0,9.0, got {archs!r}")
+    values = {"CUDA_BUILDER_IMAGE": base, "CUDA_RUNTIME_IMAGE": base, "CUDA_TOOLKIT": "pypi",
+              "HOROVOD_CUDA_CC_LIST": archs.replace(".", ""), "TORCH_CUDA_ARCH_LIST": archs.replace(",", ";")}
+    return [a for key, value in values.items() for a in ("--build-arg", f"{key}={value}")]
+
+
+def build(podman: Podman, dockerfile: str, tag: str, base_args: Sequence[str], log: Path,
+          variant: str = "cpu") -> float:
     with tempfile.TemporaryDirectory(prefix="polytrain-image-") as private:
-        volumes, index = pip_settings(Path(private))
-        args = [*base_args, *index_arg(index)]
+        # the CUDA image takes torch's CUDA build from the index: not a CPU wheel a find-links folder holds
+        volumes, index = pip_settings(Path(private), leave_out=("find-links",) if variant == "cuda" else ())
+        args = [*base_args, *(index_arg(index) if variant == "cpu" else [])]
         started = time.perf_counter()
         with log.open("w") as out:
             proc = podman.popen("build", "--format", "docker", "--layers", *LIMITS, *volumes, *args,
                                 "-f", dockerfile, "-t", tag, ".", cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
             try:
-                code = proc.wait(timeout=3600)
+                code = proc.wait(timeout=7200)  # the CUDA image compiles Horovod and DeepSpeed's ops with nvcc
             finally:
                 stop_build(podman, proc)
         if code != 0:
@@ -216,8 +229,9 @@ class Runner:
     """Runs commands in containers of ``image`` (no network but loopback, uid 1000) with ``runs`` mounted at
     /workspace/runs, where the jobs write."""
 
-    def __init__(self, podman: Podman, image: str, runs: Path) -> None:
+    def __init__(self, podman: Podman, image: str, runs: Path, variant: str = "cpu") -> None:
         self.podman, self.image, self.runs, self.count = podman, image, runs, 0
+        self.variant = variant
 
     def __call__(self, *argv: str, timeout: float = 600) -> str:
         self.count += 1
@@ -252,9 +266,15 @@ def trained(run: Runner, name: str, launcher: str, framework: str, backend: str,
 def check_info(run: Runner) -> str:
     out = run("info")
     wanted = ["[X] PyTorch, [X] TensorFlow", "built with [X] mpi, [X] gloo", "Open MPI v5"]
+    if run.variant == "cuda":  # torch's CUDA build and Horovod's NCCL ops, on a host without a GPU
+        wanted += ["[X] nccl", "[X] cuda", "cuda / nccl  no GPU"]
+        if re.search(r"^\s*torch\s+\S+\+cpu", out, re.M):
+            raise CheckFailed(f"the CUDA image has torch's CPU build:\n{out}")
     missing = [w for w in wanted if w not in out]
     if missing:
         raise CheckFailed(f"`polytrain info` lacks {missing}:\n{out}")
+    if run.variant == "cuda":
+        return "torch (CUDA build), TensorFlow, DeepSpeed, Horovod (PyTorch, TensorFlow; mpi, gloo, nccl, cuda); no GPU"
     return "torch, TensorFlow, DeepSpeed, Horovod (PyTorch, TensorFlow; mpi, gloo), Open MPI 5"
 
 
@@ -301,6 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", help="comma list of checks (default: all): " + ",".join(checks()))
     parser.add_argument("--no-build", action="store_true", help="check the image already built")
     parser.add_argument("--results", help="also write the results as JSON to this file")
+    parser.add_argument("--variant", choices=("cpu", "cuda"), default="cpu",
+                        help="which image: Dockerfile.cpu, or Dockerfile.cuda built on the local Debian base with "
+                             "NVIDIA's toolkit wheels and run on the CPU (default: %(default)s)")
+    parser.add_argument("--cuda-archs", default="9.0",
+                        help="with --variant cuda: the GPU generations to compile for, e.g. 8.0,9.0 (default: "
+                             "%(default)s; the Dockerfile's own default is every one CUDA 13 supports)")
     args = parser.parse_args(argv)
     table = checks()
     only = args.only.split(",") if args.only else list(table)
@@ -313,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     podman = Podman(CACHE)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` cleans up when killed
-    variant = "cpu"  # Dockerfile.cuda needs NVIDIA's CUDA bases (nvcc for Horovod's NCCL ops): not built here yet
+    variant = args.variant
     tag = f"localhost/polytrain:{variant}"
     results: dict[str, object] = {"image": tag}
     failed = 0
@@ -323,15 +349,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.no_build:
                 sweep_builds(podman)  # what an earlier check killed mid-build left
                 base = base_image(podman, CACHE)
-                seeded = seed_horovod(podman, CACHE)
-                base_args = ["--build-arg", f"PYTHON_IMAGE={base}"]
+                seeded = seed_horovod(podman, CACHE) if variant == "cpu" else []  # the CUDA image's is NCCL's
+                base_args = cuda_args(base, args.cuda_archs) if variant == "cuda" else \
+                    ["--build-arg", f"PYTHON_IMAGE={base}"]
                 log = CACHE / "logs" / f"image-{variant}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
-                results["build_s"] = round(build(podman, f"docker/Dockerfile.{variant}", tag, base_args, log), 1)
+                results["build_s"] = round(build(podman, f"docker/Dockerfile.{variant}", tag, base_args, log,
+                                                 variant), 1)
                 print(f"build        {results['build_s']} s (Horovod wheels seeded: {', '.join(seeded) or 'none'})")
             results["size_bytes"] = size = image_size(podman, tag)
             print(f"image size   {size / 1e9:.2f} GB  {tag}")
-            run = Runner(podman, tag, Path(runs))
+            run = Runner(podman, tag, Path(runs), variant)
             for name in only:
                 try:
                     line = table[name](run)

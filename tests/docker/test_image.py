@@ -80,3 +80,25 @@ def test_an_index_with_credentials_never_becomes_a_build_arg() -> None:
     assert image_check.index_arg("file:///opt/pypi/simple https://pypi.example/simple") == [
         "--build-arg", "TORCH_INDEX_URL=file:///opt/pypi/simple https://pypi.example/simple"]
     assert image_check.index_arg("https://me:s3cret@pypi.example/simple") == ["--build-arg", "TORCH_INDEX_URL="]
+
+
+def test_the_cuda_image_is_built_on_the_local_base_with_the_toolkit_from_pypi_and_the_archs_asked_for() -> None:
+    args = image_check.cuda_args("localhost/polytrain-base:bookworm", "8.0,9.0")
+    pairs = dict(a.split("=", 1) for a in args[1::2])
+    assert args[::2] == ["--build-arg"] * len(pairs)
+    assert pairs == {"CUDA_BUILDER_IMAGE": "localhost/polytrain-base:bookworm",
+                     "CUDA_RUNTIME_IMAGE": "localhost/polytrain-base:bookworm", "CUDA_TOOLKIT": "pypi",
+                     "HOROVOD_CUDA_CC_LIST": "80,90", "TORCH_CUDA_ARCH_LIST": "8.0;9.0"}
+    with pytest.raises(image_check.CheckFailed, match="--cuda-archs: expected compute capabilities"):
+        image_check.cuda_args("localhost/polytrain-base:bookworm", "sm_90")
+
+
+def test_the_cuda_build_sees_no_find_links_folder(tmp_path: Path) -> None:
+    """A find-links folder may hold torch's CPU wheel, which pip would take for torch==X: the CUDA image leaves
+    it out of the pip configuration it mounts."""
+    image_check.pip_settings(tmp_path, leave_out=("find-links",))
+    assert "find-links" not in (tmp_path / "pip.conf").read_text()
+    image_check.pip_settings(tmp_path)
+    expected = "find-links" in subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                                               text=True).stdout
+    assert ("find-links" in (tmp_path / "pip.conf").read_text()) == expected

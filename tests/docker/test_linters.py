@@ -20,6 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = [REPO / "docker" / "Dockerfile.cpu", REPO / "docker" / "Dockerfile.cuda"]
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+SCRIPTS = [ENTRYPOINT, REPO / "docker" / "cuda_toolkit.sh"]  # the shell scripts that run inside an image
 SEARCH_PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 # Rules the Dockerfiles may silence inline, each for a stated reason:
 #   DL3008 (pin apt package versions): the base image is pinned by tag/digest, and Debian/Ubuntu
@@ -78,6 +79,7 @@ def test_shellcheck_is_live(shellcheck: str) -> None:
     assert {"SC2045", "SC2086"} <= set(re.findall(r"SC\d{4}", result.stdout)), result.stdout
 
 
-def test_entrypoint_passes_shellcheck(shellcheck: str) -> None:
-    result = run_linter([shellcheck, "--severity=style", "--enable=all", "--exclude=SC2250,SC2312", str(ENTRYPOINT)])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_image_scripts_pass_shellcheck(shellcheck: str, script: Path) -> None:
+    result = run_linter([shellcheck, "--severity=style", "--enable=all", "--exclude=SC2250,SC2312", str(script)])
     assert (result.returncode, result.stdout) == (0, ""), result.stdout
