@@ -11,7 +11,8 @@ many steps, so each side pays for everything it does between steps, epoch starts
 with DDP's all-reduce, the optimizer step, the batches, the Trainer's logging, finiteness check and read-ahead).
 The runs interleave, each round in a rotated order (hand, polytrain, timeline; polytrain, timeline, hand; ...),
 and the fastest of ``--rounds`` runs counts: on a shared 2-core machine a run's time moves by 10-20 % with what
-else runs, and the fastest is the least disturbed.
+else runs, and the fastest is the least disturbed. Then each run is paired with the hand loop's run of its
+round, and the median and range of those ratios show how large a difference the noise allows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -186,7 +188,8 @@ def main() -> None:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        results = {}
+        results: dict[str, float] = {}
+        rounds: dict[str, list[float]] = {}  # every run's time, in round order
         # interleaved, and each round in another order (a run right after another ran slower here, whichever it
         # was); the fastest of each counts
         for which in [kinds[(r + k) % len(kinds)] for r in range(args.rounds) for k in range(len(kinds))]:
@@ -195,11 +198,19 @@ def main() -> None:
                            stderr=subprocess.DEVNULL)
             step = json.loads((out / which / "result.json").read_text())["step_s"]
             results[which] = min(results.get(which, float("inf")), step)
+            rounds.setdefault(which, []).append(step)
     print(f"model: MLP {HIDDEN} on digits, batch {BATCH}/rank, 2 ranks (DDP, gloo); steps {WARM}-{STEPS}, "
           f"fastest of {args.rounds}" + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     for which in kinds:
         print(f"{KINDS[which]:24s}: {results[which] * 1e3:8.3f} ms/step  {results[which] / results['hand']:.3f} x hand")
     print("target: polytrain Trainer <= 1.02 x hand, and no slower than Fabric")
+    # the same figures paired: each run against the hand loop's run of the same round (neighbours in time share
+    # the machine's state), their median and range show how much of a difference the noise allows
+    print(f"paired by round, median [min, max] of x hand over {args.rounds} rounds:")
+    for which in kinds:
+        if which != "hand":
+            ratios = sorted(t / h for t, h in zip(rounds[which], rounds["hand"]))
+            print(f"{KINDS[which]:24s}: {statistics.median(ratios):.3f} [{ratios[0]:.3f}, {ratios[-1]:.3f}]")
 
 
 if __name__ == "__main__":
