@@ -124,7 +124,7 @@ def apply_patch(root: Path, rel: str, old: str, new: str) -> str:
 
 def main(argv: list[str]) -> int:
     args = [a for a in argv[1:] if a != "--gpu"]
-    gpu = len(args) < len(argv) - 1
+    gpu = "--gpu" in argv[1:]
     if args == ["--level"]:
         print(f"{PATCH_LEVEL}g{GPU_PATCH_LEVEL}" if gpu else PATCH_LEVEL)
         return 0

@@ -78,8 +78,7 @@ def announce(pending: Pending, kind: int, tensors: Sequence[torch.Tensor], proce
         return hit
     work, records = stall.start_exchange(torch.tensor(row, dtype=torch.int64), group, size)
     stall.wait(work, pending.label, set_id, seq, group)
-    speculate.learn(set_id, records, extra, speculate.allreduce_pieces(row, tensors[0].device) if tensors else None,
-                    eager=True)
+    speculate.learn(set_id, records, extra, speculate.allreduce_pieces(row, tensors[0].device) if tensors else None)
     if checking:
         stall.verify(records, pending.name, group, set_id, seq, uneven=uneven,
                      joined_ok=kind in JOINABLE and set_id == 0)
@@ -95,9 +94,8 @@ def flagged(tensors: Sequence[torch.Tensor], prescale_factor: float, flag: int) 
     if tail is None:
         tail = _FLAG_TAILS[key] = torch.full((1,), flag, dtype=first.dtype, device=first.device)
     buffer = torch.cat([*(t.detach().reshape(-1) for t in tensors), tail])
-    if prescale_factor != 1.0:
-        with torch.no_grad():
-            scale_(buffer[:-1], prescale_factor)
+    if prescale_factor != 1.0:  # (scale_ runs under no_grad itself)
+        scale_(buffer[:-1], prescale_factor)
     return buffer
 
 

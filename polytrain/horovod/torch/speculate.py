@@ -57,9 +57,12 @@ class _Successor:
     record: Row
     op: int
     pieces: Pieces
-    #: launched and waited for at once (a small allreduce, `slot`): its allreduce, and every rank's zeros in its
-    #: place, go by `transport.all_reduce_now`; else (a DistributedOptimizer's buckets) by `transport.all_reduce`
-    eager: bool = False
+
+    @property
+    def eager(self) -> bool:
+        """Launched and waited for at once (a small allreduce, `slot`): its allreduce, and every rank's zeros in its
+        place, go by `transport.all_reduce_now`; else (a DistributedOptimizer's buckets) by `transport.all_reduce`."""
+        return self.record[stall.KIND] in (stall.ALLREDUCE, stall.GROUPED_ALLREDUCE)
 
 
 @dataclass
@@ -100,11 +103,9 @@ def allreduce_pieces(row: Row, device: torch.device) -> Pieces | None:
     return ((row[stall.NUMEL] + 1, dtype, device),)
 
 
-def learn(set_id: int, records: torch.Tensor, op: int | None = None, pieces: Pieces | None = None,
-          eager: bool = False) -> None:
+def learn(set_id: int, records: torch.Tensor, op: int | None = None, pieces: Pieces | None = None) -> None:
     """After an exchange of set ``set_id`` (every member took part): remember its op as the successor of the ones
-    before, when every rank's record is the same; ``op``/``pieces``/``eager``: how it would be predicted (None:
-    never; see `_Successor`).
+    before, when every rank's record is the same; ``op``/``pieces``: how it would be predicted (None: never).
     Any disagreement (a mismatch, a rank inside join) leaves no op to predict from."""
     history = _history(set_id)
     if not bool((records == records[0]).all()):
@@ -115,7 +116,7 @@ def learn(set_id: int, records: torch.Tensor, op: int | None = None, pieces: Pie
         if len(history.next) >= _LIMIT:
             history.next.clear()
         usable = op in _FLAGS and pieces and pieces[0][1] in _FLAG_DTYPES
-        history.next[history.recent] = _Successor(row, op, pieces, eager) if usable else None
+        history.next[history.recent] = _Successor(row, op, pieces) if usable else None
     history.agreed(row)
 
 
