@@ -111,6 +111,16 @@ def check_ranks_agree(backend: Backend, mine: dict[str, Any]) -> None:
                     f"every rank must run the same spec, code and libraries")
 
 
+def check_replicas_agree(backend: Backend, digest: str, step: int) -> None:
+    """Data-parallel replicas must hold bit-identical weights (``digest``: `polytrain.checkpoint.state_digest` of
+    this rank's); the ranks that drifted from rank 0's fail the run on every rank."""
+    digests = backend.all_gather_object(digest)
+    drifted = [rank for rank, d in enumerate(digests) if d != digests[0]]
+    if drifted:
+        raise TrainingFailure(f"step {step}: the weights of rank(s) {', '.join(map(str, drifted))} differ from "
+                              f"rank 0's (replicas drifted apart; reliability.verify_every_n_steps)")
+
+
 def library_versions() -> dict[str, str]:
     """Installed versions of a fixed list of libraries (read from metadata, so no rank's own imports matter)."""
     import importlib.metadata

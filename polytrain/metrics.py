@@ -26,7 +26,7 @@ class MetricsLog:
     record, so a run that writes none (a resumed run that was already complete) leaves them as they were.
     ``metrics.jsonl`` is strict JSON (`polytrain.jsonfiles`: a non-finite number is ``null``); TensorBoard gets
     finite values only, under the tags of `polytrain.trackers.SCALAR_TAGS`. TensorBoard events are written with
-    tensorboardX (a maintained writer) when it is installed.
+    tensorboardX's record writer (`TensorBoardFile`) when it is installed.
     """
 
     def __init__(self, path: Path | None, tensorboard: bool = True, csv: bool = True) -> None:
@@ -52,10 +52,9 @@ class MetricsLog:
                 self._csv.writeheader()
         if self.tensorboard:
             try:
-                from tensorboardX import SummaryWriter
+                self._tb = TensorBoardFile(path.parent / "tb")
             except ImportError:
                 return self._file
-            self._tb = SummaryWriter(logdir=str(path.parent / "tb"), flush_secs=10)
         return self._file
 
     def write(self, event: str, **fields: Any) -> None:
@@ -66,9 +65,8 @@ class MetricsLog:
         file.write(jsonfiles.dumps(record) + "\n")  # a diverged loss is null, never a bare NaN
         if event in SCALAR_TAGS and self._csv is not None:
             self._csv.writerow(record)
-        if self._tb is not None:
-            for tag, value in scalars(event, fields).items():  # finite only: TensorBoard refuses NaN/inf
-                self._tb.add_scalar(tag, value, global_step=int(fields.get("step", 0)))
+        if self._tb is not None:  # finite only: TensorBoard refuses NaN/inf
+            self._tb.write(scalars(event, fields), int(fields.get("step", 0)), flush=event != "step")
         self.trackers.record(event, fields)
 
     def close(self) -> None:
@@ -83,6 +81,35 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+class TensorBoardFile:
+    """A TensorBoard event file written in the caller's thread with tensorboardX's record writer and protos: one
+    event per record, holding its scalars. Written to the file's buffer, flushed at most every ``flush_s`` seconds
+    (and on ``flush``, e.g. at every epoch record, and at ``close``), as tensorboardX's `SummaryWriter` does
+    with ``flush_secs``, but without its queue and two threads, which wake on every scalar and compete with
+    the training step for the GIL and the cores."""
+
+    def __init__(self, logdir: Path, flush_s: float = 10.0) -> None:
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2, summary_pb2
+
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(logdir / "events"))
+        self.flush_s, self._flushed = flush_s, time.monotonic()
+
+    def write(self, values: dict[str, float], step: int, flush: bool = False) -> None:
+        if values:
+            summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value)
+                                           for tag, value in values.items()])
+            self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=summary))
+        if flush or time.monotonic() - self._flushed >= self.flush_s:
+            self._writer.flush()
+            self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def read_records(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:

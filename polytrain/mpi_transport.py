@@ -30,6 +30,7 @@ import numpy as np
 
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
 from polytrain.mpi_singleton import keep_singletons_off_shared_memory
+from polytrain.protocols import ready
 from polytrain.timeline import COLLECTIVES, NULL
 
 keep_singletons_off_shared_memory()  # before mpi4py starts MPI (see polytrain.mpi_singleton)
@@ -321,6 +322,9 @@ class TrainerCollectivesOverMpi:
 
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         return self.mpi.all_reduce(values, op)
+
+    def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
+        return ready(self.mpi.all_reduce(values, op))  # at once: the transport's collectives run in order
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.mpi.broadcast_object(obj, src)

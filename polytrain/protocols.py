@@ -43,6 +43,11 @@ class DataShard:
     reports: bool = True
 
 
+def ready(values: np.ndarray) -> Callable[[], np.ndarray]:
+    """What `Backend.start_all_reduce` returns where the values were reduced at once."""
+    return lambda: values
+
+
 class Backend(Protocol):
     """A distribution strategy. Framework-specific backends add their own hooks
     (e.g. a torch backend wraps modules); these are what the Trainer itself calls."""
@@ -70,6 +75,12 @@ class Backend(Protocol):
     def setup(self) -> None: ...
 
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray: ...
+
+    def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
+        """`all_reduce`, started now and finished by calling what it returns (which gives the reduced values),
+        so the collective runs while the caller works on; a backend that cannot overlap it reduces at once.
+        Every rank starts it at the same point among its other collectives."""
+        ...
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 

@@ -34,6 +34,7 @@ from polytrain.environments import detect_world
 from polytrain.errors import TrainingFailure
 from polytrain.failures import (
     check_ranks_agree,
+    check_replicas_agree,
     check_writable_dir,
     is_peer_failure,
     library_versions,
@@ -260,11 +261,13 @@ class Trainer:
         for i in range(first, steps.per_epoch):
             if here.step >= steps.total:
                 break
+            closes = (here.step + 1) % loop.log_every_n_steps == 0 or i + 1 == steps.per_epoch \
+                or here.step + 1 == steps.total  # the logging window: its loss is reduced and written
             with self.profiler.step(here.step + 1):
-                lr = self._step(here.step + 1, batches, window)
+                lr = self._step(here.step + 1, batches, window, closes)
             here = Position(here.step + 1, epoch, i + 1)
             logs: dict[str, Any] = {"epoch": epoch, "lr": lr}
-            if here.step % loop.log_every_n_steps == 0 or i + 1 == steps.per_epoch or here.step == steps.total:
+            if closes:
                 logs["loss"] = self._report(window, here, lr, result)
             self.hooks.callbacks.call("on_step_end", here.step, logs)
             if every_steps and here.step % every_steps == 0 and i + 1 < steps.per_epoch:
@@ -287,9 +290,11 @@ class Trainer:
             self.log.write("early_stopping", epoch=epoch, step=here.step)
         return here, not stop
 
-    def _step(self, number: int, batches: Iterator[tuple[StepPlan, list[Batch]]], window: LossWindow) -> float:
+    def _step(self, number: int, batches: Iterator[tuple[StepPlan, list[Batch]]], window: LossWindow,
+              closes: bool) -> float:
         """Optimizer step ``number`` (counted from 1): its micro-batches' forward and backward, then the update
-        (or the reliability.on_nonfinite policy). Returns the step's learning rate."""
+        (or the reliability.on_nonfinite policy); where it ``closes`` the logging window, the window's sums are
+        reduced across ranks meanwhile (`_report` takes them). Returns the step's learning rate."""
         fw, shard, timeline = self.framework, self.steps.shard, self.timeline
         counts = 1.0 if shard.reports else 0.0  # the logged loss counts each shard once
         self._activity.set("reading data", step=number)
@@ -302,6 +307,8 @@ class Trainer:
             with timeline.span("micro-step", "compute", step=number, micro=m, samples=len(x)):
                 loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
             window.sums += (loss_sum * counts, len(x) * counts)
+        if closes:  # the collective overlaps the optimizer step rather than adding its latency to the step
+            window.pending = self.backend.start_all_reduce(window.sums)
         lr = self.steps.lr(number - 1, self.spec)
         self._activity.set("the optimizer step", step=number)
         with timeline.span("optimizer step", "optimizer", step=number):
@@ -311,13 +318,13 @@ class Trainer:
                 fw.optimizer_step(lr, self.spec.loop.grad_clip_norm)
         verify_every = self.spec.reliability.verify_every_n_steps
         if verify_every and number % verify_every == 0:
-            self._verify_replicas(number)
+            check_replicas_agree(self.backend, ckpt.state_digest(self.framework.export_state()), number)
         return lr
 
     def _report(self, window: LossWindow, here: Position, lr: float, result: TrainResult) -> float:
         """Close the logging window at ``here``: its loss averaged over every shard's samples, the step record
         and the progress line. Returns the loss."""
-        loss_total, count = self.backend.all_reduce(window.sums)
+        loss_total, count = window.pending()
         elapsed = time.perf_counter() - window.opened
         loss = float(loss_total / max(count, 1))  # plain Python numbers in records and the result, not numpy's
         speed = float(count / elapsed) if elapsed > 0 else 0.0
@@ -378,13 +385,6 @@ class Trainer:
                                   f"(reliability.on_nonfinite: stop; 'skip' drops such steps instead)")
         self.framework.discard_gradients()
         self.progress.line(f"step {step}: the loss or a gradient is NaN/Inf; step skipped (on_nonfinite: skip)")
-
-    def _verify_replicas(self, step: int) -> None:
-        digests = self.backend.all_gather_object(ckpt.state_digest(self.framework.export_state()))
-        drifted = [rank for rank, d in enumerate(digests) if d != digests[0]]
-        if drifted:
-            raise TrainingFailure(f"step {step}: the weights of rank(s) {', '.join(map(str, drifted))} differ from "
-                                  f"rank 0's (replicas drifted apart; reliability.verify_every_n_steps)")
 
     # ------------------------------------------------------------------ the timeline
     def _write_timeline(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,7 @@ class LossWindow:
     def __init__(self) -> None:
         self.sums = np.zeros(2)
         self.opened = time.perf_counter()
+        self.pending: Callable[[], np.ndarray] = lambda: self.sums  # the reduced sums, once a step closes it
 
     def reset(self) -> None:
         self.sums[:] = 0

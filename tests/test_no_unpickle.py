@@ -98,7 +98,7 @@ ALLOWED: list[tuple[str, str, str, str]] = [
     ("polytrain/failures.py", "settled", "all_gather_object", TRAINER + " (each rank's failure: type name, message)"),
     ("polytrain/failures.py", "check_ranks_agree", "all_gather_object",
      TRAINER + " (each rank's spec/library fingerprint)"),
-    ("polytrain/trainer.py", "Trainer._verify_replicas", "all_gather_object", TRAINER + " (state digests)"),
+    ("polytrain/failures.py", "check_replicas_agree", "all_gather_object", TRAINER + " (state digests)"),
     ("polytrain/trainer.py", "Trainer._end_epoch", "broadcast_object", TRAINER + " (rank 0's stop decision)"),
     ("polytrain/trainer.py", "Trainer._write_timeline", "all_gather_object", TRAINER + " (timeline events)"),
     ("polytrain/run_checkpoints.py", "RunCheckpoints.save_best", "broadcast_object", TRAINER + " (a bool)"),

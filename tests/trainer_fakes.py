@@ -70,6 +70,11 @@ class FakeBackend:
         out = np.array(values, dtype=np.asarray(values).dtype, copy=True)
         return out * self.world.size if op == "sum" else out
 
+    def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
+        """Reduced when finished, as an asynchronous collective's failure shows when it is waited for."""
+        given = np.array(values, copy=True)
+        return lambda: self.all_reduce(given, op)
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         self.broadcast.append(obj)
         return obj

@@ -12,13 +12,13 @@ collectives (``all_reduce``, ``broadcast_object``, ``all_gather_object``, ``barr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from polytrain.protocols import DataShard
+from polytrain.protocols import DataShard, ready
 from polytrain.spec import TrainSpec
 from polytrain.timeline import COLLECTIVES, NULL, Timeline
 from polytrain.watchdog import Activity, PeerBoard
@@ -77,6 +77,9 @@ class TFBackend:
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         return np.asarray(values)
+
+    def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
+        return ready(self.all_reduce(values, op))  # at once: TensorFlow's collectives are ops run in order
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj

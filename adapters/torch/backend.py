@@ -31,7 +31,7 @@ from polytrain.adapters.torch.rendezvous import (
     store_prefix,
 )
 from polytrain.net import keep_gloo_on_loopback
-from polytrain.protocols import DataShard
+from polytrain.protocols import DataShard, ready
 from polytrain.spec import TrainSpec
 from polytrain.timeline import NULL, Timeline
 from polytrain.watchdog import Activity, PeerBoard
@@ -354,6 +354,19 @@ class TorchBackend:
         tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=self.device)
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, REDUCE_OPS[op]))
         return tensor.cpu().numpy()
+
+    def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
+        """`all_reduce` as an asynchronous collective on the default group: gloo's or NCCL's own thread runs it
+        while the caller goes on (the Trainer's logging window: during the optimizer step)."""
+        if not dist.is_initialized():
+            return ready(np.asarray(values))
+        tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=self.device)  # torch's memory, as above
+        work = dist.all_reduce(tensor, op=getattr(dist.ReduceOp, REDUCE_OPS[op]), async_op=True)
+
+        def finish() -> np.ndarray:
+            work.wait()
+            return tensor.cpu().numpy()
+        return finish
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():

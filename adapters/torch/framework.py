@@ -109,7 +109,8 @@ class TorchFramework:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
-        self.model.train()
+        if not (self.model.training and self.backend.unwrap(self.model).training):  # after `evaluate`, or a
+            self.model.train()  # model given in eval mode: every module back in training mode, as Lightning does
         xb, yb = self._tensors(x, y)
         return self.backend.train_micro_step(self.model, xb, yb, self._loss_sum, loss_scale, sync, self._autocast(),
                                              self.scaler)

@@ -19,6 +19,7 @@ launcher, and on real Horovod wherever real Horovod can form its job.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -92,10 +93,17 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
 
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        return self._started(values, op, f"polytrain.trainer.{op}")()
+
+    def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
+        return self._started(values, op, f"polytrain.trainer.window.{op}")  # its own name: it overlaps others
+
+    def _started(self, values: np.ndarray, op: str, name: str) -> Callable[[], np.ndarray]:
         hvd = self.hvd
         reduce_op = {"sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}[op]
         tensor = torch.tensor(np.asarray(values, dtype=np.float64))  # torch's own memory (see TorchBackend.all_reduce)
-        return hvd.allreduce(tensor, op=reduce_op, name=f"polytrain.trainer.{op}").numpy()
+        handle = hvd.allreduce_async(tensor, op=reduce_op, name=name)
+        return lambda: hvd.synchronize(handle).numpy()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.world.size == 1:
