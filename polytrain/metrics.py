@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv as csv_module
 import json
+import math
 import os
 import sys
 import time
@@ -97,7 +98,7 @@ class TensorBoardFile:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         logdir.mkdir(parents=True, exist_ok=True)
         self._writer = EventsWriter(str(logdir / "events"))
-        self.flush_s, self._flushed = flush_s, time.monotonic()
+        self.flush_s, self._flushed = flush_s, -math.inf  # the first record is flushed at once
 
     def write(self, values: dict[str, float], step: int, flush: bool = False) -> None:
         if values:

@@ -129,3 +129,31 @@ def test_read_records_follows_a_log_that_is_still_being_written(tmp_path: Path) 
         file.write('ep": 2}\n')
     assert read_records(path, offset) == ([{"event": "epoch", "step": 2}], path.stat().st_size)
     assert read_records(path)[0] == [{"event": "step", "step": 1}, {"event": "epoch", "step": 2}]
+
+
+def test_tensorboard_events_are_written_in_the_callers_thread_and_flushed_by_time_or_epoch(tmp_path: Path) -> None:
+    """No writer threads (tensorboardX's SummaryWriter wakes two on every scalar, competing with the training
+    step); step records reach the file at most ``flush_s`` after they were written, an epoch record at once."""
+    import threading
+
+    tf = pytest.importorskip("tensorflow")
+    threads = set(threading.enumerate())
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write("step", step=10, epoch=0, loss=0.5, lr=0.1, samples_per_s=100.0)
+    assert set(threading.enumerate()) == threads
+    log._tb.flush_s = 3600.0
+
+    def logged() -> dict[tuple[str, int], float]:
+        (event_file,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+        return {(value.tag, record.step): value.simple_value
+                for record in tf.compat.v1.train.summary_iterator(str(event_file)) for value in record.summary.value}
+
+    assert logged()[("train/loss", 10)] == 0.5  # the first record at once
+    log.write("step", step=20, epoch=0, loss=0.25, lr=0.1, samples_per_s=100.0)
+    assert ("train/loss", 20) not in logged()  # buffered
+    log.write("epoch", epoch=0, step=20, train_loss=0.3, val_loss=0.4, val_accuracy=0.9)
+    assert logged()[("train/loss", 20)] == 0.25 and logged()[("val/accuracy", 20)] == pytest.approx(0.9)
+    log._tb.flush_s = 0.0
+    log.write("step", step=30, epoch=1, loss=0.125, lr=0.1, samples_per_s=100.0)
+    assert logged()[("train/loss", 30)] == 0.125
+    log.close()

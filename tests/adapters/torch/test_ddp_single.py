@@ -46,3 +46,52 @@ def test_all_reduce_hands_gloo_memory_torch_owns(monkeypatch: pytest.MonkeyPatch
     (tensor,) = seen
     assert tensor.data_ptr() != given.ctypes.data
     assert not np.shares_memory(tensor.numpy(), given)
+
+
+def test_started_all_reduce_runs_on_its_own_copy_while_others_run() -> None:
+    """`start_all_reduce` (the logging window's sums): a real gloo collective begun now and finished by the call;
+    the caller may change or reuse its array meanwhile (the Trainer resets the window) and run other collectives
+    before finishing it."""
+    from polytrain.adapters.torch.backend import TorchBackend
+
+    backend = TorchBackend(validation.from_dict({"backend": "local"}), World())
+    backend.ensure_process_group()
+    try:
+        window = np.array([3.5, 64.0])
+        finish = backend.start_all_reduce(window)
+        window[:] = 0  # reset before the collective is finished
+        np.testing.assert_array_equal(backend.all_reduce(np.array([2.0])), [2.0])  # another one meanwhile
+        np.testing.assert_array_equal(finish(), [3.5, 64.0])
+    finally:
+        backend.teardown()
+
+
+def test_training_mode_is_set_only_when_a_step_finds_the_model_elsewhere(tmp_path: Path) -> None:
+    """The micro-step puts the model in training mode when evaluation (or the user) left it in eval mode, and
+    does not walk the modules when it is training already (a submodule the user froze in eval mode stays so,
+    as under Lightning)."""
+    import torch
+
+    from polytrain.adapters.torch.framework import TorchFramework
+    from polytrain.adapters.torch.local import LocalBackend
+    from polytrain.data import load_dataset
+    from polytrain.protocols import UserCode
+    from polytrain.spec import DataSpec
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 10)).eval()
+    spec = validation.from_dict({"backend": "local", "output": str(tmp_path)})
+    backend = LocalBackend(spec, World())
+    backend.setup()
+    framework = TorchFramework(spec, World(), backend, UserCode(model=model))
+    data = load_dataset(DataSpec(batch_size=8), seed=0)
+    framework.build(data.info)
+    x, y = data.x_train[:8], data.y_train[:8]
+    framework.train_micro_step(x, y, 1 / 8, sync=True)  # given in eval mode: trained in training mode
+    assert all(module.training for module in model.modules())
+    framework.evaluate(x, y)
+    assert not any(module.training for module in model.modules())
+    framework.train_micro_step(x, y, 1 / 8, sync=True)
+    assert all(module.training for module in model.modules())
+    model[1].eval()  # frozen by the user between steps: left so
+    framework.train_micro_step(x, y, 1 / 8, sync=True)
+    assert not model[1].training and model.training
