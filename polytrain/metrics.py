@@ -67,7 +67,7 @@ class MetricsLog:
         if event in SCALAR_TAGS and self._csv is not None:
             self._csv.writerow(record)
         if self._tb is not None:  # finite only: TensorBoard refuses NaN/inf
-            self._tb.write(scalars(event, fields), int(fields.get("step", 0)), flush=event != "step")
+            self._tb.write(scalars(event, fields), int(fields.get("step", 0)))
         self.trackers.record(event, fields)
 
     def close(self) -> None:
@@ -86,10 +86,10 @@ class MetricsLog:
 
 class TensorBoardFile:
     """A TensorBoard event file written in the caller's thread with tensorboardX's record writer and protos: one
-    event per record, holding its scalars. Written to the file's buffer, flushed at most every ``flush_s`` seconds
-    (and on ``flush``, e.g. at every epoch record, and at ``close``), as tensorboardX's `SummaryWriter` does
-    with ``flush_secs``, but without its queue and two threads, which wake on every scalar and compete with
-    the training step for the GIL and the cores."""
+    event per record, holding its scalars. Written to the file's buffer; flushed (and synced) with the first
+    record, then at most every ``flush_s`` seconds and at ``close``, as tensorboardX's `SummaryWriter` does with
+    ``flush_secs``, but without its queue and two threads, which wake on every scalar and compete with the
+    training step for the GIL and the cores."""
 
     def __init__(self, logdir: Path, flush_s: float = 10.0) -> None:
         from tensorboardX.event_file_writer import EventsWriter
@@ -100,12 +100,12 @@ class TensorBoardFile:
         self._writer = EventsWriter(str(logdir / "events"))
         self.flush_s, self._flushed = flush_s, -math.inf  # the first record is flushed at once
 
-    def write(self, values: dict[str, float], step: int, flush: bool = False) -> None:
+    def write(self, values: dict[str, float], step: int) -> None:
         if values:
             summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value)
                                            for tag, value in values.items()])
             self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=summary))
-        if flush or time.monotonic() - self._flushed >= self.flush_s:
+        if time.monotonic() - self._flushed >= self.flush_s:  # a sync: a few ms, not per record
             self._writer.flush()
             self._flushed = time.monotonic()
 

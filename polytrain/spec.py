@@ -263,6 +263,12 @@ class TrainSpec:
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.output) / "checkpoints"
 
+    @property
+    def checks_finite(self) -> bool:
+        """Whether the Trainer checks every step's gradients for NaN/Inf (reliability.on_nonfinite); fp16 runs
+        skip overflowing steps through their loss scaler instead."""
+        return self.precision != "fp16"
+
 
 def field_paths() -> list[str]:
     """Every field of a spec as a dotted path (``loop.epochs``), tables included, for suggestions."""

@@ -80,8 +80,7 @@ class Trainer:
         self.resume = resume
         self.accept_changed_data = accept_changed_data
         self.overwrite_checkpoints = overwrite_checkpoints
-        #: fp16 runs skip overflowing steps through their loss scaler instead
-        self.check_finite = spec.precision != "fp16"
+        self.check_finite = spec.checks_finite
         self._activity = Activity()  # what this rank is doing now, for the stall watchdog and failure messages
         # the run's parts: `fit` makes them, and ends them (`_tear_down`) before it returns or raises
         self.timeline: Timeline = NULL
@@ -307,10 +306,10 @@ class Trainer:
             with timeline.span("micro-step", "compute", step=number, micro=m, samples=len(x)):
                 loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
             window.sums += (loss_sum * counts, len(x) * counts)
-        if closes:  # the collective overlaps the optimizer step rather than adding its latency to the step
-            window.pending = self.backend.start_all_reduce(window.sums)
         lr = self.steps.lr(number - 1, self.spec)
         self._activity.set("the optimizer step", step=number)
+        if closes:  # the collective overlaps the optimizer step rather than adding its latency to the step
+            window.pending = self.backend.start_all_reduce(window.sums)
         with timeline.span("optimizer step", "optimizer", step=number):
             if self.check_finite and not fw.grads_finite():
                 self._nonfinite(number)

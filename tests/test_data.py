@@ -96,3 +96,16 @@ def test_arrays_given_to_fit_must_be_finite_and_labels_sane(x: np.ndarray, y: np
         data_from_objects((x, y), None, DataSpec(), seed=0)
     assert str(info.value).startswith(message), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_part_is_what_array_split_gives() -> None:
+    """The step plan's cut (every step) is numpy's array_split, the longer parts first, empty parts included."""
+    from polytrain.data.plan import part
+
+    for n in (0, 1, 5, 63, 64, 65, 130):
+        items = np.arange(100, 100 + n)
+        for parts in (1, 2, 3, 4, 7, 64):
+            expected = np.array_split(items, parts)
+            for index in range(parts):
+                np.testing.assert_array_equal(part(items, parts, index), expected[index])
+                assert np.shares_memory(part(items, parts, index), items) or len(expected[index]) == 0

@@ -127,6 +127,9 @@ class TorchBackend:
     alters_module = False
     #: the DeviceMesh a backend built over its groups (fsdp, model-parallel layouts); see `teardown`
     mesh: Any = None
+    #: set before ``wrap`` where the Trainer asks `grads_finite` after every step: a backend that reduces the
+    #: gradients itself may check them as it does (ddp)
+    checks_finite = False
 
     def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
                  activity: Activity | None = None) -> None:

@@ -83,6 +83,7 @@ class TorchFramework:
         if checkpointing_on(self.spec):  # before the backend wraps it: the same blocks on every backend
             checkpoint_blocks(self.spec, model)
         optimizer = make_optimizer(self.spec.optimizer, model.parameters())
+        self.backend.checks_finite = self.spec.checks_finite
         self.model, self.optimizer = self.backend.wrap(model, optimizer)
         if self.spec.compile.enabled:  # where the backend's layout needs it (see adapters/torch/execution.py)
             check_compiler(self.device)

@@ -63,8 +63,16 @@ def epoch_plan(n_train: int, *, seed: int, epoch: int, global_batch: int, world_
         order = shuffled(n_train, seed, epoch)
     for step in range(start_step, steps_per_epoch(n_train, global_batch)):
         chunk = order[step * global_batch:(step + 1) * global_batch]
-        mine = np.array_split(chunk, world_size)[rank]
-        yield StepPlan(micro_batches=np.array_split(mine, accum), global_count=len(chunk))
+        mine = part(chunk, world_size, rank)
+        yield StepPlan(micro_batches=[part(mine, accum, m) for m in range(accum)], global_count=len(chunk))
+
+
+def part(items: np.ndarray, parts: int, index: int) -> np.ndarray:
+    """Part ``index`` of ``items`` cut into ``parts`` (a view): ``np.array_split(items, parts)[index]``, the
+    first ``len % parts`` parts one longer, without making the other parts (the step's plan, every step)."""
+    size, longer = divmod(len(items), parts)
+    start = index * size + min(index, longer)
+    return items[start:start + size + (index < longer)]
 
 
 def eval_shard(n: int, world_size: int, rank: int) -> np.ndarray:
