@@ -1,10 +1,12 @@
 """Two ranks under torchrun: the ddp backend's gradient reduction (the comm hook that averages each bucket and
-notes NaN/Inf) against DDP's own, on real gloo. Prints one JSON line per rank."""
+notes NaN/Inf) against DDP's own, on real gloo. Each rank writes its findings to ``<dir>/rank<r>.json``."""
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ def main() -> None:
         loss = nn.functional.cross_entropy(ours(x), y)
         (loss * float("nan") if poison else loss).backward()
         report["finite"].append(backend.grads_finite(ours))
-    print(json.dumps(report), flush=True)
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(report))
     backend.teardown()
     if dist.is_initialized():
         dist.destroy_process_group()
