@@ -2,7 +2,7 @@
 Horovod (and its checked single ops against unchecked ones), images against tf.data, and the stall of an
 asynchronous checkpoint save against a synchronous one.
 
-Run:  python bench/performance.py [--quick]     (~25 min on 2 cores; --quick: fewer rounds, ~12 min)
+Run:  python bench/performance.py [--quick]     (~13 min on 2 cores; --quick: fewer rounds and saves, shorter)
 
 It runs the four benches one after another (`trainer_overhead.py`, `horovod_compat.py --max-mib 16`,
 `data_throughput.py --kinds augmented` at 64x64 and 224x224, `async_checkpoint.py`), shows each one's output as
