@@ -350,20 +350,16 @@ class TorchBackend:
 
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
-        if not dist.is_initialized():
-            return np.asarray(values)
-        # a copy that torch owns: a numpy-backed tensor is freed through Python (the GIL), and gloo's worker may free
-        # it after the collective returns, while the main thread holds the GIL freeing the group: a hang at exit
-        tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=self.device)
-        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, REDUCE_OPS[op]))
-        return tensor.cpu().numpy()
+        return self.start_all_reduce(values, op)()
 
     def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
         """`all_reduce` as an asynchronous collective on the default group: gloo's or NCCL's own thread runs it
         while the caller goes on (the Trainer's logging window: during the optimizer step)."""
         if not dist.is_initialized():
             return ready(np.asarray(values))
-        tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=self.device)  # torch's memory, as above
+        # a copy that torch owns: a numpy-backed tensor is freed through Python (the GIL), and gloo's worker may free
+        # it after the collective returns, while the main thread holds the GIL freeing the group: a hang at exit
+        tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=self.device)
         work = dist.all_reduce(tensor, op=getattr(dist.ReduceOp, REDUCE_OPS[op]), async_op=True)
 
         def finish() -> np.ndarray:
