@@ -67,11 +67,11 @@ def spec_dict(name: str, output: str, **extra: Any) -> dict[str, Any]:
 
 def worker(raw_json: str, checkpoint: str, loads: int, out_file: str) -> None:
     """Every rank: ``loads`` Trainer runs resuming from ``checkpoint`` with nothing left to train."""
-    from polytrain import trainer as trainer_mod
     from polytrain import validation
     from polytrain.environments import detect_world
-    from polytrain.run_checkpoints import Restored, RunCheckpoints
-    from polytrain.trainer import Trainer
+    from polytrain.train import trainer as trainer_mod
+    from polytrain.train.checkpoints import Restored, RunCheckpoints
+    from polytrain.train.trainer import Trainer
 
     class TimedRestore(RunCheckpoints):
         seconds: list[float] = []
@@ -112,7 +112,7 @@ def worker(raw_json: str, checkpoint: str, loads: int, out_file: str) -> None:
 
 
 def command(name: str, program: list[str]) -> tuple[list[str], dict[str, str]]:
-    from polytrain.net import free_port
+    from polytrain.comm.net import free_port
 
     nproc, launcher, _ = BACKENDS[name]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "OMPI_MCA_btl_tcp_if_include": "lo",

@@ -54,7 +54,7 @@ def worker(mode: str, steps: int, out_file: str) -> None:
 
 
 def launch(mode: str, steps: int, out_file: Path, cache: Path) -> dict[str, float]:
-    from polytrain.net import free_port
+    from polytrain.comm.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
            "TORCHINDUCTOR_CACHE_DIR": str(cache)}

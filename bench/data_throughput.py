@@ -80,12 +80,12 @@ def make_parquet(path: Path, rows: int) -> None:
 
 def polytrain_reader(kind: str, data: Path, worker_kind: str = "auto") -> Callable[[int], int]:
     from polytrain.data.plan import epoch_plan
-    from polytrain.spec import DataSpec
+    from polytrain.spec.tables import DataSpec
 
     augment = None
     if kind in ("images", "augmented"):
         from polytrain.data.images import open_images
-        from polytrain.spec import AugmentSpec
+        from polytrain.spec.tables import AugmentSpec
         extra = {} if worker_kind == "auto" else {"worker_kind": worker_kind}  # (a release without the field)
         if kind == "augmented":
             extra["augment"] = AugmentSpec(crop_padding=PAD, horizontal_flip=True)

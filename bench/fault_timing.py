@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from polytrain.net import free_port
+from polytrain.comm.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -216,7 +216,7 @@ def watchdog_rows() -> list[Row]:
     """The real watchdog thread and clock: a stalled activity, and the wait in lost_ranks."""
     import threading
 
-    from polytrain.watchdog import Activity, StallWatchdog
+    from polytrain.observe.watchdog import Activity, StallWatchdog
 
     rows: list[Row] = []
     for warn_after in (0.5, 2.0):

@@ -64,7 +64,7 @@ ZERO_BUBBLE = SCHEDULES[3:]
 
 
 def train_command(schedule: str, m: int, mb_size: int, steps: int, out: Path, trace: Path) -> list[str]:
-    from polytrain.net import free_port
+    from polytrain.comm.net import free_port
 
     batch = m * mb_size
     # one batch held out for the end-of-epoch validation (not measured; it needs a whole batch, see the report)

@@ -28,7 +28,7 @@ import plan_worker  # noqa: E402
 
 
 def run_job(world: int, names: list[str], out: Path) -> dict[str, list[dict]]:
-    from polytrain.net import free_port
+    from polytrain.comm.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = plan_worker.job_command(world, str(out), names, Path(sys.executable).parent, free_port())

@@ -253,7 +253,7 @@ def resident() -> int:
 
 
 def launch(name: str, out_file: Path, model: str) -> list[dict]:
-    from polytrain.net import free_port
+    from polytrain.comm.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={NPROC}", "--master_addr=127.0.0.1",

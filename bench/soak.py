@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from polytrain.net import free_port
+from polytrain.comm.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -100,7 +100,7 @@ def worker(tensor: int, warmup: int, steps: int, out_file: str) -> None:
 
 
 def launch(nproc: int, warmup: int, steps: int, out_file: Path, timeout: float) -> list[dict[str, Any]]:
-    from polytrain.net import free_port
+    from polytrain.comm.net import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     program = [__file__, "--worker", str(nproc), str(warmup), str(steps), str(out_file)]

@@ -42,7 +42,7 @@ def own_loop(which: str) -> float:
 
     from polytrain.adapters.torch.models import build_model
     from polytrain.data import load_dataset
-    from polytrain.spec import DataSpec
+    from polytrain.spec.tables import DataSpec
 
     dist.init_process_group("gloo")  # the peers find the group made, as under a launcher that made it
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,7 +98,7 @@ def lightning_trainer(out: Path) -> float:
 
     from polytrain.adapters.torch.models import build_model
     from polytrain.data import load_dataset
-    from polytrain.spec import DataSpec
+    from polytrain.spec.tables import DataSpec
 
     data = load_dataset(DataSpec(batch_size=BATCH, val_fraction=0.0), seed=0)
     ends: dict[int, float] = {}
@@ -143,7 +143,7 @@ class Clock:
 
 def polytrain_trainer(out: Path, timeline: bool = False) -> float:
     from polytrain import validation
-    from polytrain.trainer import Trainer
+    from polytrain.train.trainer import Trainer
 
     spec = validation.from_dict({
         "backend": "ddp", "model": {"name": "mlp", "params": {"hidden_sizes": list(HIDDEN)}},

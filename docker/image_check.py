@@ -109,11 +109,13 @@ def debian_mirror() -> str:
 def base_image(podman: Podman, cache: Path) -> str:
     """The Debian bookworm base with Python 3.11, made once: tar cached, image imported if missing."""
     tar = cache / "images" / "debian-bookworm-python3.tar"
-    if not tar.exists():
+    if tar.is_dir():  # a folder an earlier version left here (mmdebstrap wrote one for a name without .tar)
+        shutil.rmtree(tar)
+    if not tar.is_file():
         tar.parent.mkdir(parents=True, exist_ok=True)
-        part = tar.with_suffix(".part")
-        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={DEBIAN_PACKAGES}", "bookworm",
-                        str(part), debian_mirror()], check=True, timeout=900)
+        part = tar.with_name(f"part-{os.getpid()}-{tar.name}")
+        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "--format=tar",
+                        f"--include={DEBIAN_PACKAGES}", "bookworm", str(part), debian_mirror()], check=True, timeout=900)
         part.rename(tar)  # an interrupted run never leaves a tar that looks finished
     if podman("image", "exists", BASE_TAG, check=False).returncode != 0:
         podman("import", "--quiet", str(tar), BASE_TAG)

@@ -13,9 +13,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from polytrain.errors import LaunchError
-from polytrain.launchers import registry
+from polytrain.launchers import elastic, registry
 from polytrain.launchers.base import (
     SPEC_SUFFIXES,
     HorovodOptions,
@@ -25,6 +26,8 @@ from polytrain.launchers.base import (
     program_for_target,
 )
 from polytrain.launchers.hostfile import parse_hosts_string, read_hostfile
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")  # horovodrun's --log-level
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +68,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     horovod.add_argument("--cycle-time-ms", metavar="MS")
     horovod.add_argument("--timeline-filename", metavar="FILE")
     horovod.add_argument("--verbose", dest="horovod_verbose", action="store_true")
+    horovod.add_argument("--log-level", dest="horovod_log_level", metavar="LEVEL",
+                         help=f"HOROVOD_LOG_LEVEL of every worker: {', '.join(LOG_LEVELS)}")
+    parser.add_argument("--elastic", action="store_true",
+                        help="an elastic job (--launcher local or horovodrun): polytrain's driver restarts nothing; a "
+                             "lost rank's peers go on in place (--min-np, --max-np, --host-discovery-script below)")
+    elastic.add_elastic_arguments(parser)
 
     slurm = parser.add_argument_group("Slurm options (srun, --emit-sbatch)")
     slurm.add_argument("--gpus-per-node", metavar="G")
@@ -92,16 +101,19 @@ def _number(value: str | None, flag: str, kind: type = int, minimum: float = 1) 
     return number
 
 
-def _env_pairs(items: list[str]) -> dict[str, str]:
-    env = {}
+def _env_pairs(items: list[str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The -x variables with their values, and the names given without one (their values are this process's:
+    they stay off every command line, the dry run's included)."""
+    env, from_here = {}, {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             if key not in os.environ:
                 raise LaunchError(f"-x {key}: {key} is not set here; give it a value with -x {key}=VALUE")
             value = os.environ[key]
+        from_here[key] = not sep  # the last -x of a name decides, as it decides the value
         env[key] = value
-    return env
+    return env, tuple(key for key, inherited in from_here.items() if inherited)
 
 
 def _split_command(command: list[str]) -> tuple[str, list[str], list[str]]:
@@ -133,6 +145,12 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
     if args.mpi_flavour not in (None, "openmpi", "hydra"):
         raise LaunchError(f"--mpi-flavour must be openmpi or hydra, got {args.mpi_flavour!r}")
     nics = tuple(nic for nic in (args.network_interfaces or "").split(",") if nic)
+    env, env_from_here = _env_pairs(args.env)
+    level = getattr(args, "horovod_log_level", None)
+    if level is not None:
+        if level.upper() not in LOG_LEVELS:
+            raise LaunchError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+        env = {"HOROVOD_LOG_LEVEL": level.upper(), **env}
     return LaunchRequest(
         launcher=args.launcher,
         nproc=nproc,
@@ -141,7 +159,8 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
         hostfile=str(Path(args.hostfile).resolve()) if args.hostfile else None,
         nnodes=_number(args.nnodes, "--nnodes"),
         extra_args=extra_args,
-        env=_env_pairs(args.env),
+        env=env,
+        env_from_here=env_from_here,
         master_addr=args.master_addr,
         master_port=_number(args.master_port, "--master-port"),
         max_restarts=_number(args.max_restarts, "--max-restarts", minimum=0),
@@ -181,6 +200,9 @@ def launch_from_args(args: argparse.Namespace) -> int:
     from polytrain.launchers.dispatch import run
 
     req = request_from_args(args)
+    table = _spec_elastic(args.launch_command)
+    if args.elastic or table is not None or elastic.is_elastic(args):
+        return _launch_elastic(args, req, table)
     for launcher in registry.batch_script_launchers():
         flag, target = launcher.batch_script.flag, getattr(args, launcher.batch_script.dest, None)
         if not target:
@@ -197,6 +219,53 @@ def launch_from_args(args: argparse.Namespace) -> int:
     return run(req, dry_run=args.dry_run)
 
 
+#: the launchers whose jobs polytrain's elastic driver runs (--elastic, or a spec's elastic table)
+ELASTIC_LAUNCHERS = ("local", "horovodrun")
+
+
+def _spec_elastic(command: Sequence[str]) -> Any:
+    """The ``elastic`` table of the spec ``command`` runs (None: a script, no such table, or a spec not here)."""
+    from polytrain.errors import UserError
+    from polytrain.launchers.base import set_values
+    from polytrain.spec.files import apply_overrides, load_raw
+
+    target, program_args, _ = _split_command(list(command))
+    if not target.endswith(SPEC_SUFFIXES) or not Path(target).is_file():
+        return None
+    try:  # a spec without the table is left to the usual checks (a dry run checks none)
+        raw = apply_overrides(load_raw(target), set_values(program_args))
+    except UserError:
+        return None
+    return launch_spec(target, program_args).elastic if "elastic" in raw else None
+
+
+def _launch_elastic(args: argparse.Namespace, req: LaunchRequest, table: Any = None) -> int:
+    """An elastic job (--elastic, a spec's ``elastic`` table, or horovodrun's --min-np/--host-discovery-script):
+    polytrain's driver (local; horovodrun without Horovod, or ``POLYTRAIN_HOROVOD_IMPL=shim``), else the real
+    horovodrun with the same flags. The spec's ``elastic.min_np``/``max_np`` are the defaults of the flags."""
+    from polytrain.launchers.dispatch import run
+
+    if req.launcher not in ELASTIC_LAUNCHERS:
+        what = ("--elastic" if args.elastic else "elastic (the spec's table)" if table is not None
+                else "--min-np/--host-discovery-script")
+        raise LaunchError(f"{what}: an elastic job runs under --launcher {' or '.join(ELASTIC_LAUNCHERS)} (polytrain's "
+                          f"elastic driver), not {req.launcher}; torchrun/srun restart the whole job instead "
+                          f"(--max-restarts, --requeue)")
+    if req.launcher == "local" and not args.elastic and table is None:
+        raise LaunchError("--min-np/--host-discovery-script make an elastic job: add --elastic (--launcher local) "
+                          "or give --launcher horovodrun")
+    if table is not None:
+        args = argparse.Namespace(**vars(args))
+        args.min_np = args.min_np if args.min_np is not None else str(table.min_np)
+        args.max_np = args.max_np if args.max_np is not None or table.max_np is None else str(table.max_np)
+    options = elastic.options_from_args(args, req.nproc)
+    if req.launcher == "horovodrun" and not elastic.uses_driver():
+        return run(elastic.with_real_horovodrun(req, options), dry_run=args.dry_run)
+    if not args.dry_run:
+        check_spec(args.launch_command, local=not req.hosts, world_size=req.nproc)
+    return elastic.run_elastic(req, options, dry_run=args.dry_run)
+
+
 def check_spec(command: Sequence[str], *, local: bool = True, world_size: int | None = None) -> None:
     """Reject a bad spec here, once, rather than in every worker (N copies of the same error, then the
     launcher's own report). Only for specs (not scripts); with remote hosts only when the file is here.
@@ -210,6 +279,6 @@ def check_spec(command: Sequence[str], *, local: bool = True, world_size: int | 
         return
     spec = launch_spec(target, program_args)
     if world_size is not None and spec.parallel.model_parallel:  # the layout must divide the processes started
-        from polytrain.layout import grid_for
+        from polytrain.spec.layout import grid_for
 
         grid_for(spec.parallel, world_size, 0)

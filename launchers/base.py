@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from polytrain.comm.net import free_port
 from polytrain.errors import LaunchError
 from polytrain.launchers import exit_board, shm_leftovers
 from polytrain.launchers.failure_report import (
@@ -33,7 +34,6 @@ from polytrain.launchers.failure_report import (
 )
 from polytrain.launchers.launcher_output import LauncherOutput
 from polytrain.launchers.processes import supervise
-from polytrain.net import free_port
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 
@@ -99,6 +99,8 @@ class LaunchRequest:
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
     debug: bool = False
     ray_address: str | None = None  # --launcher ray: an existing cluster (None: a local Ray, started and stopped)
+    # the -x names given without a value: ``env`` holds this process's values, which a dry run shows by name only
+    env_from_here: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
@@ -235,17 +237,19 @@ def launch_spec(target: str, program_args: Sequence[str]) -> Any:
     """The spec file ``target`` with the ``--set`` overrides among ``program_args``, validated without importing
     what it names by import path (see `args.check_spec`)."""
     from polytrain import validation
-    from polytrain.spec_files import apply_overrides, load_raw
-    from polytrain.user_code import imports_skipped
+    from polytrain.spec.files import apply_overrides, load_raw
+    from polytrain.spec.user_code import imports_skipped
 
     raw = apply_overrides(load_raw(target), set_values(program_args))
     with imports_skipped():
         return validation.from_dict(raw)
 
 
-def format_command(command: Sequence[str], env: Mapping[str, str] | None = None) -> str:
-    """One shell line: ``VAR=value ... command``, quoted so it can be pasted."""
-    prefix = [f"{key}={shlex.quote(str(value))}" for key, value in (env or {}).items()]
+def format_command(command: Sequence[str], env: Mapping[str, str] | None = None, by_name: Sequence[str] = ()) -> str:
+    """One shell line: ``VAR=value ... command``, quoted so it can be pasted; a variable in ``by_name`` (``-x NAME``
+    without a value, perhaps a token) as ``VAR="$VAR"``: its name, never its value (pasted: the shell's goes on)."""
+    prefix = [f'{key}="${key}"' if key in by_name else f"{key}={shlex.quote(str(value))}"
+              for key, value in (env or {}).items()]
     return " ".join([*prefix, shlex.join(command)])
 
 
@@ -364,7 +368,7 @@ class CommandLauncher(Launcher):
         return [path or command[0], *command[1:]]
 
     def describe(self, req: LaunchRequest) -> str:
-        text = format_command(self.resolved_command(req, required=False), self.launcher_env(req))
+        text = format_command(self.resolved_command(req, required=False), self.launcher_env(req), req.env_from_here)
         if find_binary(self.binary_name(req)) is None:
             name = self.binary_name(req)
             text += f"\n# note: {name} not found on PATH: {self.install_hint(name)}"
@@ -388,7 +392,7 @@ class CommandLauncher(Launcher):
                     shm_leftovers.remove_orphans(shm_before)
             if outcome.code and outcome.signal is None:
                 records = exit_board.read_board(board)
-                report_launcher_failure(self.binary_name(req), outcome.code, records, text,
-                                        watch.deaths_by_rank(records), watch.signals_by_rank(records),
-                                        parsers=self.reading.parsers)
+                return report_launcher_failure(self.binary_name(req), outcome.code, records, text,
+                                               watch.deaths_by_rank(records), watch.signals_by_rank(records),
+                                               parsers=self.reading.parsers)
         return outcome.code

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from polytrain.launchers import registry
 from polytrain.launchers.base import Launcher, LaunchRequest
+from polytrain.observe.redact import redact_text
 
 
 def get_launcher(name: str) -> Launcher:
@@ -31,7 +32,7 @@ def run(req: LaunchRequest, dry_run: bool = False) -> int:
     """Start ``req`` and wait for it; returns the exit code. ``dry_run`` prints instead and returns 0."""
     launcher = get_launcher(req.launcher)
     req = launcher.with_master_port(req)
-    if dry_run:
-        print(launcher.describe(req), flush=True)
+    if dry_run:  # a credential in a URI among the arguments (--set ...tracking_uri=) is printed masked
+        print(redact_text(launcher.describe(req)), flush=True)
         return 0
     return launcher.run(req)

@@ -133,7 +133,7 @@ def one_line(exc: BaseException) -> str:
 
 def lost_a_peer(exc: BaseException) -> bool:
     """The error only says that a collective lost another rank (itself, or the error it was raised from)."""
-    from polytrain.failures import is_peer_failure
+    from polytrain.errors import is_peer_failure
 
     return is_peer_failure(exc) or (exc.__cause__ is not None and is_peer_failure(exc.__cause__))
 

@@ -30,6 +30,8 @@ from polytrain.launchers.exit_board import RankRecord
 
 #: How the launcher stops the other ranks after a failure: a rank that died of these was most likely stopped.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: A worker's exit code for bad input (`polytrain.errors.UserError`), whatever launcher ran it.
+BAD_INPUT = 2
 
 
 @dataclass(frozen=True)
@@ -150,11 +152,23 @@ def launcher_failure_line(launcher: str, code: int, failure: RankFailure | None)
     return f"polytrain launch: rank {failure.rank}{where} {how_it_ended(failure)}; {launcher} exited with code {code}"
 
 
+def launch_exit_code(launcher_code: int, failure: RankFailure | None) -> int:
+    """What `polytrain launch` exits with when its launcher failed with ``launcher_code``: that code, except
+    that a rank named for bad input (exit `BAD_INPUT`: a spec field, flag or file it named in one line) makes it
+    `BAD_INPUT` — torchrun exits 1 whatever its workers' codes were, and bad input is exit 2 under every
+    launcher, as under the local starter and mpirun, which pass a worker's code on."""
+    if failure is not None and failure.code == BAD_INPUT and not failure.signal:
+        return BAD_INPUT
+    return launcher_code
+
+
 def report_launcher_failure(launcher: str, code: int, records: Mapping[int, RankRecord], output: str,
                             deaths: Mapping[int, float] | None = None,
-                            signals: Mapping[int, int] | None = None, *, parsers: Sequence[Parser]) -> None:
+                            signals: Mapping[int, int] | None = None, *, parsers: Sequence[Parser]) -> int:
+    """Say in one line which rank failed and how; returns the launch's exit code (`launch_exit_code`)."""
     failure = choose(records, parse_launcher_output(output, parsers), deaths, signals)
     print(launcher_failure_line(launcher, code, failure), file=sys.stderr, flush=True)
+    return launch_exit_code(code, failure)
 
 
 def report_worker_failure(returncodes: Sequence[int | None], records: Mapping[int, RankRecord]) -> None:

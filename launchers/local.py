@@ -13,12 +13,12 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
+from polytrain.comm.net import free_port
 from polytrain.errors import LaunchError
 from polytrain.launchers import exit_board
 from polytrain.launchers.base import Launcher, LaunchRequest, format_command, is_single_local_host
 from polytrain.launchers.failure_report import report_worker_failure
 from polytrain.launchers.processes import GRACE_SECONDS, supervise
-from polytrain.net import free_port
 
 LOOPBACK = "127.0.0.1"
 
@@ -90,7 +90,7 @@ def describe_group(req: LaunchRequest, env_factory: EnvFactory, title: str) -> s
     """Dry-run text: one pasteable line per worker (the port is one that is free right now)."""
     port = req.master_port or free_port()
     lines = [f"# {title}: {req.nproc} processes on this host"]
-    lines += [format_command(req.program, extra) for extra in env_factory(req, port, 0)]
+    lines += [format_command(req.program, extra, req.env_from_here) for extra in env_factory(req, port, 0)]
     return "\n".join(lines)
 
 

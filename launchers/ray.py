@@ -213,7 +213,7 @@ def _worker(config: dict[str, Any]) -> None:
     import ray.train
     from ray.train import collective
 
-    from polytrain.net import free_port
+    from polytrain.comm.net import free_port
 
     ctx = ray.train.get_context()
     rank, size = ctx.get_world_rank(), ctx.get_world_size()
@@ -244,7 +244,7 @@ def _worker(config: dict[str, Any]) -> None:
 
 def _last_epoch(path: Path) -> dict[str, Any]:
     """The last ``epoch`` record of ``metrics.jsonl`` (numbers only), with its step; empty when there is none."""
-    from polytrain.metrics import read_records
+    from polytrain.observe.metrics import read_records
 
     epochs = [record for record in read_records(path)[0] if record.get("event") == "epoch"]
     return {k: v for k, v in (epochs[-1] if epochs else {}).items() if isinstance(v, (int, float)) and k != "time"}

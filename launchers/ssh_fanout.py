@@ -202,15 +202,17 @@ def run(launcher: str, req: LaunchRequest, build: Callable[[LaunchRequest], list
             for fd in (fd for pipe in pipes for fd in pipe):
                 os.close(fd)
             text = "\n".join(output.finish() for output in reversed(outputs))
-        if outcome.code and outcome.signal is None:
-            _report(launcher, items, failed, outcome.code, exit_board.read_board(board), text, watch, reading)
+        if outcome.code and outcome.signal is None:  # 2 when the rank named had bad input
+            records = exit_board.read_board(board)
+            return _report(launcher, items, failed, outcome.code, records, text, watch, reading)
     return outcome.code
 
 
 def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | None], code: int,
             records: Mapping[int, exit_board.RankRecord], text: str, watch: exit_board.DeathWatch,
-            reading: OutputReading) -> None:
-    """The host that failed first, then (unless only ssh failed, before any rank started) the rank."""
+            reading: OutputReading) -> int:
+    """The host that failed first, then (unless only ssh failed, before any rank started) the rank; returns the
+    launch's exit code (`failure_report.launch_exit_code`)."""
     first = next((i for i, c in enumerate(failed) if c), None)
     ssh_only = False
     if first is not None:
@@ -221,10 +223,11 @@ def _report(launcher: str, items: Sequence[HostCommand], failed: Sequence[int | 
         print(f"polytrain launch: host {items[first].host} (node {first} of {len(items)}): {how}; "
               f"stopped the other hosts", file=sys.stderr, flush=True)
         if host_code == SSH_FAILED and _lost_with_host(items[first], records, text):
-            return  # the other hosts' ranks ended because this launch stopped them: naming one would mislead
+            return code  # the other hosts' ranks ended because this launch stopped them: naming one would mislead
     if not ssh_only:
-        report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records),
-                                watch.signals_by_rank(records), parsers=reading.parsers)
+        return report_launcher_failure(launcher, code, records, text, watch.deaths_by_rank(records),
+                                       watch.signals_by_rank(records), parsers=reading.parsers)
+    return code
 
 
 def _lost_with_host(item: HostCommand, records: Mapping[int, exit_board.RankRecord], text: str) -> bool:

@@ -18,16 +18,16 @@ from typing import Any
 from polytrain import registry, validation
 from polytrain.errors import SpecError
 from polytrain.protocols import UserCode
-from polytrain.spec import TrainSpec
-from polytrain.spec_files import load_raw
-from polytrain.trainer import Trainer, TrainResult
-from polytrain.user_code import LIVE_PREFIX
+from polytrain.spec.files import load_raw
+from polytrain.spec.tables import TrainSpec
+from polytrain.spec.user_code import LIVE_PREFIX
+from polytrain.train.trainer import Trainer, TrainResult
 from polytrain.world import World
 
 
 def _raw(spec: str | Path | Mapping[str, Any] | TrainSpec) -> dict[str, Any]:
     if isinstance(spec, TrainSpec):
-        return spec.to_dict()
+        return spec.to_dict(redact=False)  # built again here: the real values (a tracking URI's password)
     if isinstance(spec, (str, Path)):
         return load_raw(spec)
     if isinstance(spec, Mapping):
@@ -69,7 +69,7 @@ def fit(spec: str | Path | Mapping[str, Any] | TrainSpec, *, model: Any = None, 
     map-style dataset (``__len__``, ``__getitem__`` → ``(x, y)``; a torch ``Dataset`` of tensors and an HF
     ``datasets.Dataset`` work); without ``val_data`` the training data is split by ``data.val_fraction``;
     ``loss``: a built-in name or a callable ``(outputs, targets)`` → one loss per sample; ``metrics``: names
-    or such callables; ``callbacks``: objects with the hooks of `polytrain.callbacks`; ``resume``: ``"auto"`` or
+    or such callables; ``callbacks``: objects with the hooks of `polytrain.train.callbacks`; ``resume``: ``"auto"`` or
     a checkpoint (as ``--resume``), refused when the data changed since it unless ``accept_changed_data`` (the
     epoch then starts over); ``overwrite_checkpoints``: move another run's checkpoints in ``checkpoint.dir``
     aside (into ``superseded-…/``) instead of refusing to start. Every rank calls it.
@@ -78,7 +78,7 @@ def fit(spec: str | Path | Mapping[str, Any] | TrainSpec, *, model: Any = None, 
     ``model`` is the trained model, plain and on the CPU (no hook or tensor bound to the finished job): the
     ``model`` given, trained — backends that remake a module (fsdp, deepspeed, horovod, tensor/pipeline
     parallel) train a copy and load the outcome into it — or the one built. An exception raised in the
-    caller's loss, metric, callback or factory comes back as `polytrain.user_code.UserCodeError` naming the
+    caller's loss, metric, callback or factory comes back as `polytrain.spec.user_code.UserCodeError` naming the
     hook, with the original as its ``__cause__``.
     """
     raw = _raw(spec)

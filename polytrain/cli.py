@@ -25,8 +25,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _check_writable(flag: str, path: str) -> None:
     """Fail before the work, not after it, when ``path`` cannot be written: its directory is created and a
-    probe file written there (`polytrain.failures.make_writable_dir`)."""
-    from polytrain.failures import make_writable_dir
+    probe file written there (`polytrain.checkpoint.files.make_writable_dir`)."""
+    from polytrain.checkpoint.files import make_writable_dir
 
     parent = Path(path).absolute().parent
     existing = parent
@@ -63,10 +63,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # reports each failure in one line, so only fatal C++ messages stay (set the variable to see all).
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     if spec.framework == "tensorflow":  # each rank's copy of TensorFlow's start-up notices, unless asked for
-        from polytrain.tf_start import import_tensorflow_quietly
+        from polytrain.adapters.tensorflow.start import import_tensorflow_quietly
 
         import_tensorflow_quietly()
-    from polytrain.trainer import Trainer
+    from polytrain.train.trainer import Trainer
 
     global _started, _trained
     _started = True
@@ -119,7 +119,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from polytrain import info
+    from polytrain.commands import info as info
 
     report = info.collect()
     print(info.to_json(report) if args.json else info.to_table(report))
@@ -129,7 +129,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from polytrain import checkpoint_tools as tools
+    from polytrain.commands import checkpoint as tools
 
     if args.action == "inspect":
         print(tools.describe_json(Path(args.path)) if args.json else tools.inspect(Path(args.path)))
@@ -147,13 +147,13 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from polytrain.compare import compare_from_args
+    from polytrain.commands.compare import compare_from_args
 
     return compare_from_args(args)
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from polytrain.sweep import sweep_from_args
+    from polytrain.commands.sweep import sweep_from_args
 
     return sweep_from_args(args)
 
@@ -167,7 +167,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from polytrain.plot import plot
+    from polytrain.commands.plot import plot
 
     _check_writable("-o", args.output)
     print(f"wrote {plot([Path(p) for p in args.runs], Path(args.output))}")
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="the same spec or loop script on several backends: one table of the "
                                              "loss and weight differences and step times")
-    from polytrain.compare import add_compare_arguments
+    from polytrain.commands.compare import add_compare_arguments
 
     add_compare_arguments(compare)
     compare.set_defaults(func=_cmd_compare)
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep_p = sub.add_parser("sweep", help="a grid of runs of one spec as Ray Tune trials: a table of the trials, "
                                            "the best by a metric marked, and a CSV")
-    from polytrain.sweep import add_sweep_arguments
+    from polytrain.commands.sweep import add_sweep_arguments
 
     add_sweep_arguments(sweep_p)
     sweep_p.set_defaults(func=_cmd_sweep)
@@ -275,7 +275,7 @@ def _unrecognized(args: argparse.Namespace, extras: list[str]) -> NoReturn:
     prog = " ".join(part for part in ("polytrain", args.command, getattr(args, "action", None)) if part)
     hint = ""
     if hasattr(args, "set"):
-        from polytrain.spec import field_paths
+        from polytrain.spec.tables import field_paths
 
         for i, arg in enumerate(extras):
             name, _, value = arg.lstrip("-").partition("=")
@@ -313,9 +313,9 @@ def abort_mpi_job(code: int, show_traceback: bool = False) -> None:
 
 
 def failure_text(exc: UserError | TrainingFailure) -> str:
-    """What a failed command prints: one line; an exception in the user's code (`polytrain.user_code.call_user`)
+    """What a failed command prints: one line; an exception in the user's code (`polytrain.spec.user_code.call_user`)
     gets the user's frames above it and, in a job of several processes, the rank it happened on."""
-    from polytrain.user_code import UserCodeError
+    from polytrain.spec.user_code import UserCodeError
 
     if not isinstance(exc, UserCodeError):
         return f"polytrain: error: {exc}"

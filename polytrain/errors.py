@@ -1,6 +1,12 @@
-"""Errors a user can fix: the CLI prints them as one line and exits with code 2."""
+"""Errors a user can fix: the CLI prints them as one line and exits with code 2.
+
+Every one reads with the credentials of the URIs it quotes masked (`polytrain.observe.redact`): a message may name a
+spec value (a tracking URI with its password), and it is printed, logged and kept on the launcher's exit board.
+"""
 
 from __future__ import annotations
+
+from polytrain.observe.redact import redact_text
 
 
 class UserError(Exception):
@@ -10,6 +16,9 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+    def __str__(self) -> str:
+        return redact_text(super().__str__())
 
 
 class SpecError(UserError):
@@ -45,3 +54,30 @@ class TrainingFailure(Exception):
     """Training cannot go on (diverged, replicas drifted apart, ranks disagree): one line, exit code 1."""
 
     exit_code = 1
+
+    def __str__(self) -> str:
+        return redact_text(super().__str__())
+
+
+# How gloo, NCCL and torch.distributed word a lost or stalled peer.
+PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
+                        "Broken pipe", "Timed out", "timed out", "NCCL communicator was aborted",
+                        "Socket Timeout", "connection was lost")
+
+
+#: Exception types that mean a collective lost its peers: torch.distributed's, TensorFlow's collective
+#: errors (a gRPC peer gone, a collective timed out or aborted) and Horovod's.
+PEER_FAILURE_TYPES = ("DistBackendError", "UnavailableError", "DeadlineExceededError", "AbortedError",
+                      "HorovodInternalError")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(marker in text for marker in PEER_FAILURE_MARKERS) or type(exc).__name__ in PEER_FAILURE_TYPES
+
+
+def peer_failure_detail(exc: BaseException) -> str:
+    """The most telling line of a collective's error (TensorFlow's first line is only "Graph execution error:")."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    telling = [line for line in lines if any(marker in line for marker in PEER_FAILURE_MARKERS)]
+    return (telling or lines or [type(exc).__name__])[0][:200]

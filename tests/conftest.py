@@ -10,8 +10,9 @@ import pytest
 from procs import loopback_env
 
 TESTS = Path(__file__).resolve().parent
-#: files that start local Ray clusters: one at a time (scripts/test.sh runs two pytest workers)
-RAY_FILES = ("test_ray.py", "test_own_loop.py", "test_elastic.py", "test_sweep.py")
+#: the files that start local Ray clusters (paths under tests/): one at a time (scripts/test.sh runs three workers)
+RAY_FILES = ("multiproc/test_ray.py", "multiproc/test_own_loop_ray.py", "multiproc/test_elastic.py",
+             "multiproc/test_sweep.py")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -21,7 +22,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the files that start local Ray clusters. First of the hooks: xdist's own reads the marks to name the group."""
     for item in items:
         path = item.path.relative_to(TESTS)
-        group = ("cluster" if path.parts[0] == "cluster" else "ray" if path.name in RAY_FILES else str(path))
+        group = ("cluster" if path.parts[0] == "cluster" else "ray" if path.as_posix() in RAY_FILES else str(path))
         item.add_marker(pytest.mark.xdist_group(group))
 
 

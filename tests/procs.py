@@ -14,6 +14,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +198,36 @@ def step_losses(out: Path) -> np.ndarray:
 def losses_by_step(out: Path) -> dict[int, float]:
     """Each logged step's loss by its step number (a resumed run's steps after the ones it resumed from)."""
     return {r["step"]: r["loss"] for r in read_metrics(out, "step")}
+
+
+@dataclass
+class Trained:
+    """A run that succeeded (`trained_run`): its per-step losses, final weights and manifest (``model.json``), its
+    whole output, and what it left running (`run`'s ``left_behind``)."""
+
+    losses: np.ndarray
+    state: dict[str, np.ndarray]
+    manifest: dict[str, Any]
+    output: str
+    left_behind: list[str]
+
+
+def trained_run(out: Path, sets: Sequence[str] = (), **train_kw: Any) -> Trained:
+    """`train` (``train_kw``: its keywords), which must succeed, and what the run wrote."""
+    from polytrain.checkpoint.store import read_model
+
+    result = check(train(out, sets, **train_kw))
+    state, manifest = read_model(out)
+    return Trained(step_losses(out), state, manifest, result.stdout + result.stderr, result.left_behind)
+
+
+def one_model_on_every_rank(run: Trained, nproc: int, label: str) -> None:
+    """``run`` had ``nproc`` ranks, left nothing running, and every rank ended with the same full model (the
+    digests of their states agree); each rank reported its peak memory, printed with ``label`` for a regression
+    to show."""
+    assert not run.left_behind, run.left_behind
+    assert run.manifest["world_size"] == nproc
+    assert len(set(run.manifest["rank_state_digests"])) == 1, run.manifest["rank_state_digests"]
+    peaks = [rank["host"] for rank in run.manifest["rank_peak_memory"]]
+    assert len(peaks) == nproc and min(peaks) > 0
+    print(f"\n{label} × {nproc}: peak resident MiB per rank {[round(p / 2**20) for p in peaks]}")

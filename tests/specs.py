@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 #: the tiny LM: 4 heads of 8 dimensions, 2 blocks (tied head, no dropout: the zoo's defaults)
@@ -63,3 +64,11 @@ def as_sets(spec: Mapping[str, Any], prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{key}={_text(value)}")
     return out
+
+
+def data_spec(source: str, path: Path | str | None = None, /, **fields: Any) -> Any:
+    """A ``data`` table (`polytrain.spec.tables.DataSpec`) of ``source`` reading ``path``, with ``fields``: what the
+    data-source tests hand a source's ``open_*`` directly."""
+    from polytrain.spec.tables import DataSpec
+
+    return DataSpec(**{"name": source, **({"path": str(path)} if path is not None else {}), **fields})

@@ -41,6 +41,7 @@ def errors(out: Any, y: Any) -> Any:
 SPEC = {"loop": {"epochs": 4}, "optimizer": {"name": "adam", "lr": 0.01}, "data": {"batch_size": 32}}
 
 
+@pytest.mark.slow
 def test_fit_trains_a_live_model_on_arrays_with_its_own_loss_and_metrics(tmp_path: Path) -> None:
     seen: list[int] = []
 
@@ -64,6 +65,7 @@ def test_fit_trains_a_live_model_on_arrays_with_its_own_loss_and_metrics(tmp_pat
     np.testing.assert_array_equal(weights["0.weight"], net[0].weight.detach().numpy())  # the caller's own model
 
 
+@pytest.mark.slow
 def test_fit_takes_a_map_style_dataset_and_separate_validation_data(tmp_path: Path) -> None:
     x, y = digits()
 

@@ -194,6 +194,10 @@ CASES: tuple[Case, ...] = (
               ("optimizer.nesterov", "expected true or false")),
     spec_case("spec-yaml-exponent-is-text", "optimizer: {lr: 1e-3}\n",
               ("optimizer.lr", "expected a number, got '1e-3'", "write 1.0e-3")),
+    spec_case("spec-yaml-exponent-without-sign", "optimizer: {lr: 1.0e8}\n",  # PyYAML needs 1.0e+8 (issue 48)
+              ("optimizer.lr", "expected a number, got '1.0e8'", "write 1.0e+8)")),
+    spec_case("spec-yaml-exponent-optional-number", "loop: {grad_clip_norm: 1e2}\n",
+              ("loop.grad_clip_norm", "got '1e2'", "write 1.0e+2)")),
     spec_case("spec-zero-batch", "data: {batch_size: 0}\n", ("data.batch_size", "must be >= 1")),
     spec_case("spec-negative-lr", "optimizer: {lr: -0.1}\n", ("optimizer.lr", "must be > 0")),
     spec_case("spec-zero-epochs", "loop: {epochs: 0}\n", ("loop.epochs", "must be >= 1")),
@@ -259,6 +263,8 @@ CASES: tuple[Case, ...] = (
          ("spec: cannot read", "nope.yaml", "No such file or directory")),
     # --- --set overrides ---------------------------------------------------------------------------
     set_case("set-without-equals", ("optimizer.lr",), ("--set 'optimizer.lr'", "expected KEY=VALUE")),
+    set_case("set-exponent-is-text", ("optimizer.lr=1e8",), ("optimizer.lr", "got '1e8'", "write 1.0e+8)")),
+    set_case("set-exponent-without-sign", ("optimizer.lr=1.0e8",), ("optimizer.lr", "got '1.0e8'", "write 1.0e+8)")),
     set_case("set-empty-key", ("=3",), ("--set '=3'", "expected KEY=VALUE")),
     set_case("set-wrong-type", ("loop.epochs=three",), ("loop.epochs", "expected an integer, got 'three'")),
     set_case("set-typo-did-you-mean", ("optimizer.moment=0.9",),
@@ -527,6 +533,7 @@ def _run_cli(case: Case, tmp: Path, run_dir: Path | None, *, debug: bool = False
 
 
 @pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
+@pytest.mark.slow
 def test_real_process_prints_one_line_and_exits_2(case_id: str, tmp_path: Path,
                                                   request: pytest.FixtureRequest) -> None:
     case = BY_ID[case_id]
@@ -576,3 +583,19 @@ def test_the_table_covers_every_category() -> None:
     assert len(CASES) >= 45 and len(BY_ID) == len(CASES), "ids must be unique"
     for case in CASES:
         assert len(case.expect) >= 2, f"{case.id}: name the field/flag and what is allowed"
+
+
+@pytest.mark.parametrize("text", ["1e8", "1.0e8", "1E-3", "+2e5", "-.5", "1.e8"])
+def test_the_number_hint_writes_what_yaml_reads(text: str) -> None:
+    """What the hint says to write loads as that number, in a spec file and through --set (PyYAML both)."""
+    import yaml
+
+    from polytrain.spec.files import apply_overrides, parse_text
+    from polytrain.spec.schema import number_hint
+
+    hint = number_hint(text)
+    assert yaml.safe_load(text) == text and "write " in hint, hint  # PyYAML reads the given form as text
+    written = hint.rsplit("write ", 1)[1].rstrip(")")
+    assert parse_text(f"optimizer: {{lr: {written}}}\n", ".yaml")["optimizer"]["lr"] == float(text)
+    assert apply_overrides({}, [f"optimizer.lr={written}"])["optimizer"]["lr"] == float(text)
+

@@ -1,7 +1,7 @@
 """The CLI's own logic, in-process: how flags reach the Trainer, exit codes and their one line, the exits
 of a finished run, the hints for misplaced spec fields, and the ``info``, ``plot`` and ``checkpoint`` output.
 
-Training itself is replaced by a recorder (``polytrain.trainer.Trainer``); ``exit_after_training`` is only
+Training itself is replaced by a recorder (``polytrain.train.trainer.Trainer``); ``exit_after_training`` is only
 ever called with ``os._exit`` and the interpreter's exit handlers replaced. The one-line messages of bad
 specs, flags, hostfiles and checkpoints are tested in tests/test_bad_input_table.py.
 """
@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 
 from polytrain import cli
-from polytrain import info as info_mod
-from polytrain import trainer as trainer_mod
+from polytrain.commands import info as info_mod
 from polytrain.errors import TrainingFailure, UserError
-from polytrain.spec import TrainSpec
+from polytrain.spec.tables import TrainSpec
+from polytrain.train import trainer as trainer_mod
 
 
 class RecordingTrainer:
-    """Stands in for `polytrain.trainer.Trainer`: keeps what the CLI built, and fails as told."""
+    """Stands in for `polytrain.train.trainer.Trainer`: keeps what the CLI built, and fails as told."""
 
     made: list[RecordingTrainer] = []
     failure: BaseException | None = None
@@ -130,7 +130,7 @@ def test_a_bad_timeline_path_fails_before_training(trainer: type[RecordingTraine
 def test_a_timeline_that_cannot_be_written_at_the_end_is_one_line(tmp_path: Path) -> None:
     """The path checked at the start can still fail at the end (the directory removed meanwhile)."""
     from polytrain.errors import UserError
-    from polytrain.timeline import write_timeline_file
+    from polytrain.observe.timeline import write_timeline_file
 
     (tmp_path / "f").write_text("a file where a directory should be")
     with pytest.raises(UserError, match=r"^--timeline .*/f/t.json: cannot write it \(.*\); give a path"):
@@ -410,7 +410,7 @@ def test_plot_writes_the_figure_and_says_where(tmp_path: Path, capsys: pytest.Ca
 def test_checkpoint_convert_names_its_default_output_by_format(monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str], to: str,
                                                                flags: list[str], written: str) -> None:
-    from polytrain import checkpoint_tools as tools
+    from polytrain.commands import checkpoint as tools
 
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(tools, "convert", lambda path, fmt, out, *rest: calls.append((path, fmt, out, *rest)) or out)
@@ -421,7 +421,7 @@ def test_checkpoint_convert_names_its_default_output_by_format(monkeypatch: pyte
 
 def test_checkpoint_import_passes_its_flags_and_prints_how_to_resume(monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from polytrain import checkpoint_tools as tools
+    from polytrain.commands import checkpoint as tools
 
     calls: list[tuple[Any, ...]] = []
 
@@ -441,7 +441,7 @@ def test_checkpoint_import_passes_its_flags_and_prints_how_to_resume(monkeypatch
 
 def test_checkpoint_inspect_prints_text_or_json(monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from polytrain import checkpoint_tools as tools
+    from polytrain.commands import checkpoint as tools
 
     monkeypatch.setattr(tools, "inspect", lambda path: f"text of {path}")
     monkeypatch.setattr(tools, "describe_json", lambda path: json.dumps({"path": str(path)}))

@@ -21,8 +21,8 @@ def run_blocked(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_core_imports_without_frameworks() -> None:
     proc = run_blocked(
-        "import polytrain, polytrain.spec, polytrain.validation, polytrain.registry, polytrain.trainer, polytrain.cli\n"
-        "import polytrain.info, polytrain.world, polytrain.data, polytrain.schedule\n"
+        "import polytrain, polytrain.spec.tables, polytrain.validation, polytrain.registry, polytrain.train.trainer, polytrain.cli\n"
+        "import polytrain.commands.info, polytrain.world, polytrain.data, polytrain.train.schedule\n"
         "s = polytrain.validation.load(None, ['loop.epochs=2'])\n"
         "print(s.loop.epochs, polytrain.detect_world({}).launcher)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow')))\n")

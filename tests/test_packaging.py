@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from procs import REPO, check, loopback_env, read_metrics, run
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 TREES = {"polytrain": "polytrain", "adapters": "polytrain/adapters", "launchers": "polytrain/launchers"}
 BUILD_INPUTS = {"setup.py", "setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "constraints.txt"}

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from polytrain import registry, validation
-from polytrain import spec as spec_mod
 from polytrain.errors import BackendUnavailableError, SpecError, UserError
-from polytrain.timeline import NULL, Timeline
-from polytrain.watchdog import Activity
+from polytrain.observe.timeline import NULL, Timeline
+from polytrain.observe.watchdog import Activity
+from polytrain.spec import tables as spec_mod
 from polytrain.world import World
 
 TORCH_BACKENDS = ["local", "ddp", "fsdp", "deepspeed", "horovod", "mpi"]

@@ -103,6 +103,7 @@ def no_library_frames(err: str) -> None:
 
 
 @pytest.mark.parametrize("hook", list(CASES))
+@pytest.mark.slow
 def test_user_code_raising_ends_with_its_frames_and_the_hook(hooks: Path, hook: str) -> None:
     setting, named, exception, sources = CASES[hook]
     sets = [setting, "data.name=dataset"] if hook == "dataset factory" else [setting]
@@ -118,6 +119,7 @@ def test_user_code_raising_ends_with_its_frames_and_the_hook(hooks: Path, hook: 
     assert err.index(sources[0]) < err.index(last)
 
 
+@pytest.mark.slow
 def test_a_tensorflow_loss_traced_in_a_step_is_named_the_same_way(hooks: Path) -> None:
     """TensorFlow traces the loss inside a ``tf.function`` and raises its own exception over the user's: the
     user's error still ends the run in the one line (autograph's generated frames are not shown)."""
@@ -129,10 +131,11 @@ def test_a_tensorflow_loss_traced_in_a_step_is_named_the_same_way(hooks: Path) -
     assert 'File "' not in result.stderr  # no frame of TensorFlow's, polytrain's or autograph's
 
 
+@pytest.mark.slow
 def test_debug_shows_the_whole_traceback(hooks: Path) -> None:
     result = train(hooks, [CASES["loss"][0]], "--debug")
     assert result.returncode == 1
-    assert 'polytrain/trainer.py", line' in result.stderr and "ZeroDivisionError" in result.stderr
+    assert 'polytrain/train/trainer.py", line' in result.stderr and "ZeroDivisionError" in result.stderr
 
 
 @pytest.mark.multiproc

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from polytrain.comm.net import ephemeral_range, free_port, port_to_hold, route_address
 from polytrain.environments import detect_world, ensure_master
 from polytrain.errors import EnvironmentDetectionError
-from polytrain.net import ephemeral_range, free_port, port_to_hold, route_address
 from polytrain.world import World
 
 

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from polytrain.data.source import DatasetInfo
+from polytrain.observe.timeline import NULL, Timeline
+from polytrain.observe.watchdog import Activity, PeerBoard
 from polytrain.protocols import DataShard
-from polytrain.spec import TrainSpec
-from polytrain.timeline import NULL, Timeline
-from polytrain.watchdog import Activity, PeerBoard
+from polytrain.spec.tables import TrainSpec
 from polytrain.world import World
 
 WEIGHT, BIAS = "linear.weight", "linear.bias"
@@ -290,7 +290,7 @@ class FakeFramework:
 
 
 class FakeJob:
-    """Factories for `polytrain.trainer.Trainer` that keep the fakes they made (``backend``, ``framework``)."""
+    """Factories for `polytrain.train.trainer.Trainer` that keep the fakes they made (``backend``, ``framework``)."""
 
     def __init__(self, backend_options: Mapping[str, Any] | None = None,
                  framework_options: Mapping[str, Any] | None = None) -> None:

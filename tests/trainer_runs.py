@@ -22,12 +22,12 @@ from procs import read_metrics
 from safetensors.numpy import load_file
 from trainer_fakes import FakeJob, MicroCall
 
-from polytrain import checkpoint as ckpt
-from polytrain import trainer as trainer_mod
+from polytrain.checkpoint import store as ckpt
 from polytrain.data import load_dataset
-from polytrain.metrics import Progress
-from polytrain.spec import TrainSpec
-from polytrain.trainer import Trainer, TrainResult
+from polytrain.observe.metrics import Progress
+from polytrain.spec.tables import TrainSpec
+from polytrain.train import trainer as trainer_mod
+from polytrain.train.trainer import Trainer, TrainResult
 from polytrain.validation import from_dict
 from polytrain.world import World
 

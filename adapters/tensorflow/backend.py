@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from polytrain.observe.timeline import COLLECTIVES, NULL, Timeline
+from polytrain.observe.watchdog import Activity, PeerBoard
 from polytrain.protocols import DataShard, ready
-from polytrain.spec import TrainSpec
-from polytrain.timeline import COLLECTIVES, NULL, Timeline
-from polytrain.watchdog import Activity, PeerBoard
+from polytrain.spec.tables import TrainSpec
 from polytrain.world import World
 
 
@@ -94,7 +94,7 @@ class TFBackend:
         """The stall watchdog's side channel: TensorFlow's collectives cannot say who is missing."""
         if self.world.size == 1:
             return None
-        from polytrain.watchdog import hosted_store_board
+        from polytrain.observe.watchdog import hosted_store_board
 
         return hosted_store_board(self.world, self.broadcast_object)
 
@@ -130,7 +130,7 @@ class GraphCollectiveBackend(TFBackend):
                                    track=COLLECTIVES, op="allreduce", bytes=nbytes)
 
     def _plan(self, grads: list[tf.Variable]) -> list[tuple[Any, int]]:
-        from polytrain.mpi_transport import fusion_threshold, plan_buckets
+        from polytrain.comm.mpi_transport import fusion_threshold, plan_buckets
 
         # shape-only stand-ins (no memory): plan_buckets reads dtype and nbytes
         shapes = [np.broadcast_to(np.zeros((), g.dtype.as_numpy_dtype), g.shape) for g in grads]

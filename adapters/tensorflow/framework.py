@@ -26,7 +26,6 @@ import numpy as np
 import tensorflow as tf
 from keras.src.random.seed_generator import global_seed_generator  # Keras exports no public accessor
 
-from polytrain import objectives
 from polytrain.adapters.tensorflow.backend import TFBackend
 from polytrain.adapters.tensorflow.models import (
     PortableVariable,
@@ -40,8 +39,9 @@ from polytrain.adapters.tensorflow.optimizers import make_optimizer
 from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError, UserError
 from polytrain.protocols import UserCode
-from polytrain.spec import TrainSpec
-from polytrain.user_code import UserCodeError
+from polytrain.spec import objectives as objectives
+from polytrain.spec.tables import TrainSpec
+from polytrain.spec.user_code import UserCodeError
 from polytrain.world import World
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coefficient = max_norm / (norm + 1e-6), at most 1

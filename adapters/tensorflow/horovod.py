@@ -46,7 +46,7 @@ class HorovodBackend(GraphCollectiveBackend):
         if reason is not None:
             raise BackendUnavailableError(f"backend: 'horovod' cannot run here: {reason}")
         super().setup()
-        from polytrain.mpi_singleton import keep_singletons_off_shared_memory
+        from polytrain.comm.mpi_singleton import keep_singletons_off_shared_memory
 
         keep_singletons_off_shared_memory()  # before Horovod starts MPI
         import horovod.tensorflow as hvd
@@ -81,7 +81,7 @@ class HorovodBackend(GraphCollectiveBackend):
         if self.world.size == 1:
             return values
         reduce_op = {"sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
-        return self.hvd.allreduce(tf.constant(values), op=reduce_op, name=f"polytrain.trainer.{op}").numpy()
+        return self.hvd.allreduce(tf.constant(values), op=reduce_op, name=f"polytrain.train.trainer.{op}").numpy()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=src) if self.world.size > 1 else obj

@@ -23,8 +23,8 @@ import tensorflow as tf
 
 from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.user_code import call_user, user_name
-from polytrain.zoo import (
+from polytrain.spec.user_code import call_user, user_name
+from polytrain.spec.zoo import (
     ConvNetParams,
     MLPParams,
     TransformerParams,

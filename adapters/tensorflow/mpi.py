@@ -3,7 +3,7 @@
 For jobs started by an MPI launcher (mpirun/mpiexec of Open MPI, MPICH, Intel MPI,
 MVAPICH; srun with PMI; horovodrun in MPI mode). The accumulated gradients are read
 into one host buffer (already packed, so each fusion bucket is a slice of it, reduced in
-place — see ``polytrain.mpi_transport``) and written back; initial weights are broadcast from
+place — see ``polytrain.comm.mpi_transport``) and written back; initial weights are broadcast from
 rank 0.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.adapters.tensorflow.backend import FlatGradients, TFBackend
-from polytrain.mpi_transport import MpiCollectives, TrainerCollectivesOverMpi
+from polytrain.comm.mpi_transport import MpiCollectives, TrainerCollectivesOverMpi
 
 
 class MpiBackend(TrainerCollectivesOverMpi, TFBackend):

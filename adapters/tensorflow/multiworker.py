@@ -28,9 +28,9 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.adapters.tensorflow.backend import GraphCollectiveBackend
+from polytrain.comm.mpi_transport import fusion_threshold
 from polytrain.environments import ensure_master
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
-from polytrain.mpi_transport import fusion_threshold
 from polytrain.world import World
 
 REDUCERS = {"sum": np.sum, "max": np.max, "min": np.min}

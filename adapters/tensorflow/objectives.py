@@ -1,5 +1,5 @@
 """The loss and the metrics on TensorFlow tensors, inside the compiled steps (names and reduction rules:
-`polytrain.objectives`; the same definitions as ``adapters/torch/objectives.py``)."""
+`polytrain.spec.objectives`; the same definitions as ``adapters/torch/objectives.py``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from polytrain import objectives
-from polytrain.user_code import call_user
+from polytrain.spec import objectives as objectives
+from polytrain.spec.user_code import call_user
 
 PerSample = Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
@@ -59,7 +59,7 @@ METRICS: dict[str, PerSample] = {"accuracy": _correct, "top5_accuracy": _top5, "
 
 def _checked(fn: Any, field_name: str, name: str) -> PerSample:
     """The user's function, given a single-output head's outputs shaped like the targets
-    (`polytrain.objectives.single_output`) and held to one value per sample (checked when the step is traced:
+    (`polytrain.spec.objectives.single_output`) and held to one value per sample (checked when the step is traced:
     sizes TensorFlow does not know yet are shown as ``batch``)."""
     def per_sample(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         given = tf.squeeze(out, axis=-1) if objectives.single_output(_dims(out), _dims(y)) else out

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from polytrain.spec import OptimizerSpec
+from polytrain.spec.tables import OptimizerSpec
 
 
 def _slots(variables: Sequence[Any], name: str) -> list[tf.Variable]:

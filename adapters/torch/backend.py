@@ -1,8 +1,9 @@
 """What every PyTorch backend shares: device choice, the default hooks, gloo/NCCL collectives (the rendezvous
 before them: `rendezvous`).
 
-A backend subclasses `TorchBackend` and overrides only the hooks it owns
-(``wrap``, ``no_sync``, ``backward``, ``optimizer_step``, ``full_state``, ...). The framework adapter runs a
+`TorchBackend` implements the torch backend contract (`contract.TorchBackendContract`, what the Trainer's framework
+adapter and the own loop call); a backend subclasses it and overrides only the hooks it owns (``wrap``, ``no_sync``,
+``backward``, ``optimizer_step``, ``full_state``, ...) and the flags that say what it does itself. The framework adapter runs a
 micro-step through ``train_micro_step`` and validation through ``eval_outputs``: their defaults are the
 data-parallel step (forward, then ``backward``, under ``no_sync`` except on a step's last micro-step); a model-parallel
 layout overrides them with its pipeline schedule.
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from polytrain.adapters.torch.contract import LossSum, StepFn
+from polytrain.adapters.torch.precision import check_fp16_runs
 from polytrain.adapters.torch.rendezvous import (
     import_before_group,
     let_go_of,
@@ -30,16 +33,14 @@ from polytrain.adapters.torch.rendezvous import (
     rendezvous_store,
     store_prefix,
 )
-from polytrain.net import keep_gloo_on_loopback
+from polytrain.comm.net import keep_gloo_on_loopback
+from polytrain.observe.timeline import NULL, Timeline
+from polytrain.observe.watchdog import Activity, PeerBoard
 from polytrain.protocols import DataShard, ready
-from polytrain.spec import TrainSpec
-from polytrain.timeline import NULL, Timeline
-from polytrain.watchdog import Activity, PeerBoard
+from polytrain.spec.tables import TrainSpec
 from polytrain.world import World
 
 REDUCE_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
-#: a loss on (outputs, targets) summed over the samples: what a micro-step runs backward from
-LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def choose_device(cuda_available: bool, local_rank: int) -> str:
@@ -50,21 +51,6 @@ def choose_device(cuda_available: bool, local_rank: int) -> str:
 def choose_process_group_backend(device: str, nccl_available: bool) -> str:
     """NCCL for GPU tensors when the build has it; gloo otherwise (CPU, or no NCCL)."""
     return "nccl" if device.startswith("cuda") and nccl_available else "gloo"
-
-
-def check_fp16_runs(device: torch.device) -> None:
-    """Raise a one-line error when fp16 autocast cannot run on ``device`` (old CPUs / builds)."""
-    from polytrain.errors import BackendUnavailableError
-
-    try:
-        with torch.autocast(device_type=device.type, dtype=torch.float16):
-            out = torch.nn.functional.linear(torch.ones(2, 2, device=device), torch.ones(2, 2, device=device))
-        if out.dtype != torch.float16:
-            raise RuntimeError(f"autocast produced {out.dtype}")
-    except RuntimeError as exc:
-        reason = " ".join(str(exc).split())[:120]
-        raise BackendUnavailableError(f"precision: fp16 cannot run on {device} here ({reason}); use bf16 or fp32") \
-            from None
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -114,7 +100,8 @@ class SyncAfterLastBackward:
 
 
 class TorchBackend:
-    """The base of every PyTorch backend; implements `polytrain.protocols.Backend`."""
+    """The base of every PyTorch backend; implements `contract.TorchBackendContract` (which extends
+    `polytrain.protocols.Backend`): the members are documented there."""
 
     name = "base"
     #: set by `setup` when a rendezvous store listens (see `listen_address`)
@@ -130,6 +117,12 @@ class TorchBackend:
     #: set before ``wrap`` where the Trainer asks `grads_finite` after every step: a backend that reduces the
     #: gradients itself may check them as it does (ddp)
     checks_finite = False
+    #: what a backend does itself (see the contract): none of it here
+    weights_in_precision = False
+    clips_in_step = False
+    owns_loss_scaler = False
+    #: an elastic worker's client of the driver's store, and its assignment (`elastic_group`); else None
+    membership: Any = None
 
     def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
                  activity: Activity | None = None) -> None:
@@ -152,7 +145,11 @@ class TorchBackend:
             self._tracer = CollectiveTracer(self.timeline, self.activity).install()
         if not self.world.distributed or dist.is_initialized():
             return
+        from polytrain.adapters.torch import elastic_group
         from polytrain.environments import ensure_master
+
+        if elastic_group.form(self):  # a worker of polytrain's elastic driver: the group of its membership version
+            return
 
         world = self.world = ensure_master(self.world)  # exact node ranks under MPI (FSDP's hybrid check)
         self._store_endpoint = (str(world.master_addr), int(world.master_port))
@@ -197,7 +194,7 @@ class TorchBackend:
         endpoint = getattr(self, "_store_endpoint", None)
         if endpoint is None:
             return None
-        from polytrain.watchdog import StoreBoard
+        from polytrain.observe.watchdog import StoreBoard
 
         client = dist.TCPStore(endpoint[0], endpoint[1], is_master=False, wait_for_workers=False,
                                timeout=datetime.timedelta(seconds=3))
@@ -281,32 +278,26 @@ class TorchBackend:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool | None:
-        """Apply the update; a backend that may skip it (its own fp16 scaler) returns whether it applied it."""
-        optimizer.step()
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: StepFn | None = None) -> bool | None:
+        """Apply the update: ``step(optimizer)`` (a loss scaler's) or ``optimizer.step()``."""
+        if step is None:
+            optimizer.step()
+        else:
+            step(optimizer)
         return None
 
     # ---------------------------------------------------------------- fp16 loss scaling
-    def grad_scaler(self) -> Any | None:
-        """The dynamic loss scaler for precision fp16 (None otherwise, or when the backend scales itself).
+    def grad_scaler(self) -> Any:
+        """fp16's dynamic loss scaler (asked only for fp16, by `adapters.torch.precision`).
 
         Gradients must be identical on every rank when it checks them for inf/NaN (true
         after DDP's all-reduce); a backend with sharded gradients returns a scaler that
         agrees across ranks."""
-        if self.spec.precision != "fp16":
-            return None
         check_fp16_runs(self.device)
         return torch.amp.GradScaler(self.device.type)
 
-    def scaled_optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
-        """Step unless the gradients overflowed; update the scale. Returns whether the update was applied."""
-        before = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        return scaler.get_scale() >= before  # the scale only shrinks after an overflow (a skipped step)
-
     def loss_scale(self) -> float | None:
-        """The loss scale of a backend that owns its fp16 scaler (see `grad_scaler`)."""
+        """The loss scale of a backend that owns its fp16 scaler (``owns_loss_scaler``)."""
         return None
 
     def grads_finite(self, model: nn.Module) -> bool:
@@ -340,7 +331,7 @@ class TorchBackend:
         for key, value in state.items():
             name, _, slot = key.rpartition("/")
             if name not in params:
-                from polytrain.checkpoint import CheckpointError
+                from polytrain.checkpoint.store import CheckpointError
 
                 raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
             param = params[name]

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from polytrain.adapters.torch.backend import TorchBackend
 from polytrain.adapters.torch.execution import compile_module
-from polytrain.timeline import COLLECTIVES
+from polytrain.observe.timeline import COLLECTIVES
 
 
 class DDPBackend(TorchBackend):

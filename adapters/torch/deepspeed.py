@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polytrain import jsonfiles
 from polytrain.adapters.torch import zero_infinity
 from polytrain.adapters.torch.backend import TorchBackend, all_finite
 from polytrain.adapters.torch.rendezvous import let_go_of, live_groups
-from polytrain.backend_options import check_owned
 from polytrain.errors import BackendUnavailableError, SpecError
-from polytrain.spec import TrainSpec
+from polytrain.observe import jsonfiles as jsonfiles
+from polytrain.spec.backend_options import check_owned
+from polytrain.spec.tables import TrainSpec
 
 EXTENSIONS_DIR = Path.home() / ".cache" / "polytrain" / "torch_extensions"
 CONFIG_FILE = "deepspeed_config.json"
@@ -61,8 +61,9 @@ def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
-def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed config for ``spec`` on ``world_size`` ranks, ``spec.deepspeed.config`` merged over it."""
+def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool, nvme: Path | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for ``spec`` on ``world_size`` ranks, ``spec.deepspeed.config`` merged over it
+    (``nvme``: the job's folder of offloaded files, `zero_infinity.prepare`)."""
     ds, loop, data = spec.deepspeed, spec.loop, spec.data
     accum = loop.grad_accum_steps
     micro = data.batch_size
@@ -75,7 +76,7 @@ def deepspeed_config(spec: TrainSpec, world_size: int, on_gpu: bool) -> dict[str
                 f"(DeepSpeed's train_batch_size is micro-batch × accumulation × world size)")
     zero: dict[str, Any] = {"stage": ds.stage}
     for key in ("offload_optimizer", "offload_param"):  # cpu, or nvme (zero_infinity: files on a drive)
-        if (section := zero_infinity.offload_section(spec, key, on_gpu)) is not None:
+        if (section := zero_infinity.offload_section(spec, key, on_gpu, nvme)) is not None:
             zero[key] = section
     generated = {
         "train_micro_batch_size_per_gpu": micro,
@@ -123,6 +124,9 @@ class DeepSpeedBackend(TorchBackend):
     name = "deepspeed"
     traces_collectives = True  # the library issues them: the timeline records each
     alters_module = True  # the engine partitions parameters, tags them with its groups and hooks the module
+    weights_in_precision = True  # bf16/fp16: the engine's weights, its forward with CUDA autocast turned off
+    clips_in_step = True  # at the config's gradient_clipping (loop.grad_clip_norm), inside engine.step()
+    owns_loss_scaler = True  # the config's fp16 section: the engine scales the loss and skips overflowed steps
 
     def setup(self) -> None:
         _prepare_environment(self.device)
@@ -150,13 +154,13 @@ class DeepSpeedBackend(TorchBackend):
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         import deepspeed
 
-        self.config = deepspeed_config(self.spec, self.world.size, on_gpu=self.device.type == "cuda")
+        if self.spec.deepspeed.uses_nvme:  # this job's own folder, checked on every rank; a live job's refuses it
+            self._nvme = zero_infinity.prepare(self, sum(p.numel() for p in model.parameters()))
+        self.config = deepspeed_config(self.spec, self.world.size, self.device.type == "cuda", self._nvme)
         if self.world.rank == 0:
             out = Path(self.spec.output)
             out.mkdir(parents=True, exist_ok=True)
             (out / CONFIG_FILE).write_text(jsonfiles.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        if self.spec.deepspeed.uses_nvme:  # checked on every rank; a killed run's files removed
-            self._nvme = zero_infinity.prepare(self, sum(p.numel() for p in model.parameters()))
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         engine.set_gradient_accumulation_boundary(True)
         self.engine = engine
@@ -233,25 +237,12 @@ class DeepSpeedBackend(TorchBackend):
         with zero_infinity.failures_named(self.spec, self._nvme, self.world.rank):
             self.engine.backward(loss, scale_wrt_gas=False)
 
-    def _input(self, x: torch.Tensor) -> torch.Tensor:
-        """Floating-point inputs in the dtype of the engine's bf16/fp16 weights: the engine runs its forward with
-        torch's CUDA autocast turned off (the Trainer's, around it, no longer casts them)."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision)
-        return x.to(dtype) if dtype is not None and torch.is_tensor(x) and x.is_floating_point() else x
-
-    def train_micro_step(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_sum: Any, scale: float,
-                         sync: bool, autocast: contextlib.AbstractContextManager[Any], scaler: Any | None) -> float:
-        return super().train_micro_step(model, self._input(x), y, loss_sum, scale, sync, autocast, scaler)
-
-    def eval_outputs(self, model: nn.Module, x: torch.Tensor,
-                     autocast: contextlib.AbstractContextManager[Any]) -> torch.Tensor | None:
-        return super().eval_outputs(model, self._input(x), autocast)
-
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float | None:
-        """DeepSpeed clips inside ``engine.step()`` (``gradient_clipping`` in the config); no norm to report yet."""
+        """Not asked (``clips_in_step``): DeepSpeed clips inside ``engine.step()``; no norm to report."""
         return None
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: Any = None) -> bool:
+        """``engine.step()`` (``step`` is never given: the engine owns its loss scaler)."""
         with zero_infinity.failures_named(self.spec, self._nvme, self.world.rank):
             self.engine.step()
         zero_infinity.check_room(self.spec, self._nvme)  # a drive that filled up may have cut writes short
@@ -266,9 +257,6 @@ class DeepSpeedBackend(TorchBackend):
         grads = partitions + [p.grad for p in self.unwrap(model).parameters() if p.grad is not None]
         bad = float(not all_finite(grads))
         return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
-
-    def grad_scaler(self) -> None:
-        return None  # DeepSpeed's engine scales the loss itself (the config's fp16 section)
 
     def loss_scale(self) -> float | None:
         if self.spec.precision != "fp16":
@@ -347,7 +335,7 @@ class DeepSpeedBackend(TorchBackend):
         """Scatter ``<parameter name>/<slot>`` full tensors into ZeRO's partitions (every rank calls this)."""
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        from polytrain.checkpoint import CheckpointError
+        from polytrain.checkpoint.store import CheckpointError
 
         if not state:
             return
@@ -391,7 +379,7 @@ class DeepSpeedBackend(TorchBackend):
             link()
 
     def _save_native_checkpoint(self) -> None:
-        """DeepSpeed's own checkpoint (collective), convertible with `polytrain.export`."""
+        """DeepSpeed's own checkpoint (collective), convertible with `polytrain.checkpoint.export`."""
         step = int(self.engine.global_steps)
         if self._saved_step == step:
             return

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from polytrain.errors import BackendUnavailableError, SpecError
-from polytrain.spec import TrainSpec
+from polytrain.spec.tables import TrainSpec
 
 
 def checkpointing_on(spec: TrainSpec) -> bool:

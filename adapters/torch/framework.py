@@ -1,4 +1,5 @@
-"""The PyTorch framework adapter: model, optimizer, loss and one micro-step, through a backend."""
+"""The PyTorch framework adapter: model, optimizer, loss and one micro-step, through a backend (the torch backend
+contract, `contract.TorchBackendContract`) and the precision component (`precision.Precision`)."""
 
 from __future__ import annotations
 
@@ -11,31 +12,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from polytrain import objectives
-from polytrain.adapters.torch.backend import TorchBackend
+from polytrain.adapters.torch.contract import TorchBackendContract
 from polytrain.adapters.torch.execution import check_compiler, checkpoint_blocks, checkpointing_on
 from polytrain.adapters.torch.models import build_model
 from polytrain.adapters.torch.objectives import evaluation, loss_fn, metric_fns
+from polytrain.adapters.torch.precision import Precision
 from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
 from polytrain.protocols import UserCode
-from polytrain.spec import OptimizerSpec, TrainSpec
-from polytrain.user_code import call_user, user_name
+from polytrain.spec import objectives as objectives
+from polytrain.spec.tables import OptimizerSpec, TrainSpec
+from polytrain.spec.user_code import call_user, user_name
 from polytrain.world import World
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _build_model(name: str, params: Any, info: DatasetInfo) -> torch.nn.Module:
     if name == "transformer":
         from polytrain.adapters.torch.transformer import build_transformer
-        from polytrain.zoo import model_params
+        from polytrain.spec.zoo import model_params
 
         return build_transformer(model_params(name, params), info)
     return build_model(name, params, info)
 
 
-def live_model(model: Any, backend: TorchBackend) -> torch.nn.Module:
+def live_model(model: Any, backend: TorchBackendContract) -> torch.nn.Module:
     """A model given to `polytrain.fit` or `polytrain.torch.Distributed.setup`: every rank starts from rank 0's
     weights (scripts seed differently)."""
     if callable(model) and not isinstance(model, torch.nn.Module):  # a function that builds it
@@ -59,7 +59,8 @@ def make_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) ->
 
 
 class TorchFramework:
-    def __init__(self, spec: TrainSpec, world: World, backend: TorchBackend, user: UserCode | None = None) -> None:
+    def __init__(self, spec: TrainSpec, world: World, backend: TorchBackendContract,
+                 user: UserCode | None = None) -> None:
         self.spec = spec
         self.world = world
         self.backend = backend
@@ -83,7 +84,8 @@ class TorchFramework:
         if checkpointing_on(self.spec):  # before the backend wraps it: the same blocks on every backend
             checkpoint_blocks(self.spec, model)
         optimizer = make_optimizer(self.spec.optimizer, model.parameters())
-        self.backend.checks_finite = self.spec.checks_finite
+        # before wrap: it tells the backend whether every step's gradients are checked (the non-finite policy)
+        self.precision = Precision(self.spec, self.backend, checks_finite=self.spec.checks_finite)
         self.model, self.optimizer = self.backend.wrap(model, optimizer)
         if self.spec.compile.enabled:  # where the backend's layout needs it (see adapters/torch/execution.py)
             check_compiler(self.device)
@@ -93,42 +95,43 @@ class TorchFramework:
         self.loss_name = objectives.loss_name(self.spec.loss, info.task)
         self.loss = loss_fn(self.loss_name, self.user.loss)  # one value per sample
         self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task), self.user.metrics)
-        self.autocast_dtype = AUTOCAST_DTYPES.get(self.spec.precision)
-        self.scaler = self.backend.grad_scaler()  # fp16: dynamic loss scaling, unless the backend owns it
-        self.skipped_steps = 0
-        self.updates = 0  # optimizer steps run by this process (applied or skipped)
+
+    @property
+    def scaler(self) -> Any:
+        """fp16's loss scaler (None without one, or where the backend owns it): the precision's."""
+        precision = getattr(self, "precision", None)
+        return None if precision is None else precision.scaler
+
+    @property
+    def updates(self) -> int:
+        """Optimizer steps run by this process (applied or skipped)."""
+        return self.precision.updates
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped after an fp16 overflow."""
+        return self.precision.skipped
 
     def _tensors(self, x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+        xb = torch.from_numpy(x).to(self.device)
+        return self.precision.convert_input(xb), torch.from_numpy(y).to(self.device)
 
     def _loss_sum(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss(out.float(), y).sum()
-
-    def _autocast(self) -> contextlib.AbstractContextManager[object]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, loss_scale: float, sync: bool) -> float:
         if not (self.model.training and self.backend.unwrap(self.model).training):  # after `evaluate`, or a
             self.model.train()  # model given in eval mode: every module back in training mode, as Lightning does
         xb, yb = self._tensors(x, y)
-        return self.backend.train_micro_step(self.model, xb, yb, self._loss_sum, loss_scale, sync, self._autocast(),
-                                             self.scaler)
+        precision = self.precision
+        return self.backend.train_micro_step(self.model, xb, yb, self._loss_sum, loss_scale, sync,
+                                             precision.autocast(), precision.scaler)
 
     def optimizer_step(self, lr: float, clip_norm: float | None) -> float | None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        norm = self.backend.clip_grad_norm(self.model, clip_norm) if clip_norm is not None else None
-        if self.scaler is None:
-            applied = self.backend.optimizer_step(self.optimizer)
-        else:
-            applied = self.backend.scaled_optimizer_step(self.optimizer, self.scaler)
-        self.updates += 1
+        norm, applied = self.precision.update(self.model, self.optimizer, clip_norm)  # unscale → clip → step
         if applied is False:  # fp16 overflow: the update was skipped (on every rank alike)
-            self.skipped_steps += 1
             if self.world.rank == 0:
                 print(f"polytrain: fp16 gradient overflow in update {self.updates} of this run: skipped "
                       f"({self.skipped_steps} so far), loss scale now {self.loss_scale()}", file=sys.stderr, flush=True)
@@ -137,14 +140,11 @@ class TorchFramework:
 
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale, or None when no loss scaling runs."""
-        if self.scaler is not None:
-            return float(self.scaler.get_scale())
-        return self.backend.loss_scale()
+        return self.precision.loss_scale()
 
     def step_stats(self) -> dict[str, float]:
         """Numbers the Trainer may add to its step log: skipped (overflow) updates and the loss scale."""
-        scale = self.loss_scale()
-        return {} if scale is None else {"skipped_steps": float(self.skipped_steps), "loss_scale": scale}
+        return self.precision.stats()
 
     @torch.no_grad()
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
@@ -154,7 +154,7 @@ class TorchFramework:
         # compile (spec) covers the training step; validation runs eager (no second compile for eval mode)
         eager = torch.compiler.set_stance("force_eager") if self.spec.compile.enabled else contextlib.nullcontext()
         with eager:
-            out = self.backend.eval_outputs(model, xb, self._autocast())
+            out = self.backend.eval_outputs(model, xb, self.precision.autocast())
         if out is None:  # a pipeline's stage before the last: the last one reports
             return {}
         return evaluation(self.loss_name, self.loss, self.metric_fns, out, yb)
@@ -168,7 +168,9 @@ class TorchFramework:
         ``state`` (`export_state`, taken before; without it the model is None). A second call returns None."""
         plain, self._result = getattr(self, "_result", None), None
         model = getattr(self, "model", None)
-        self.model = self.optimizer = self.scaler = None
+        self.model = self.optimizer = None
+        if getattr(self, "precision", None) is not None:
+            self.precision.scaler = None  # FSDP's sharded scaler holds the process group
         if plain is None or model is None:
             return None
         if not self.backend.alters_module:
@@ -193,17 +195,13 @@ class TorchFramework:
 
     def loss_scaler_state(self) -> dict[str, float] | None:
         """fp16's dynamic loss scale and growth tracker (None without loss scaling), for checkpoints."""
-        if self.scaler is None:
-            return None
-        return {key: float(value) for key, value in self.scaler.state_dict().items()}
+        return self.precision.state_dict()
 
     def load_loss_scaler_state(self, state: Mapping[str, float]) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict({key: (int(value) if key in ("growth_interval", "_growth_tracker") else value)
-                                         for key, value in state.items()})
+        self.precision.load_state_dict(state)
 
     def discard_gradients(self) -> None:
-        self.optimizer.zero_grad()  # set_to_none (torch 2 default; Horovod 0.28 takes no argument)
+        self.precision.discard(self.optimizer)
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Full (unsharded) shape of every parameter, by portable name; no communication."""
@@ -211,13 +209,67 @@ class TorchFramework:
 
     def grads_finite(self) -> bool:
         """Whether every gradient is finite, the same answer on every rank (see the backend's hook)."""
-        return self.backend.grads_finite(self.model)
+        return self.precision.grads_finite(self.model)
 
-    def rng_state(self) -> list[int]:
-        return torch.get_rng_state().tolist()
+    def rng_state(self) -> dict[str, list[int]]:
+        return rng_state(self.device)
 
-    def set_rng_state(self, state: list[int]) -> None:
-        torch.set_rng_state(torch.tensor(state, dtype=torch.uint8))
+    def set_rng_state(self, state: list[int] | Mapping[str, list[int]]) -> None:
+        set_rng_state(state, self.device)
+
+
+# ---------------------------------------------------------------- RNG state in checkpoints
+# One rank's entry of a checkpoint's ``rng_states`` (the Trainer's and a hand-written loop's): ``{"cpu": [...],
+# "cuda": [...]}``, each generator's state as a list of bytes (``torch.get_rng_state()``: 5056 for the CPU's
+# Mersenne Twister; ``torch.cuda.get_rng_state(device)``: the rank's CUDA device's Philox seed and offset).
+# ``"cuda"`` is there when the rank trained on a CUDA device (`cuda_generator`). An older checkpoint's entry is the
+# CPU generator's list alone.
+
+
+def cuda_generator(device: torch.device, available: bool) -> torch.device | None:
+    """The CUDA device whose generator a rank's RNG state holds: the rank's own ``device`` when it is a CUDA device
+    and CUDA is ``available`` (``torch.cuda.is_available()``), else None — a CPU rank keeps no CUDA generator (and
+    asking for one would make it a CUDA context)."""
+    return device if available and device.type == "cuda" else None
+
+
+def rng_state(device: torch.device) -> dict[str, list[int]]:
+    """This rank's RNG state for a checkpoint (see above): the CPU generator's, and ``device``'s CUDA one."""
+    state = {"cpu": torch.get_rng_state().tolist()}
+    cuda = cuda_generator(device, torch.cuda.is_available())
+    if cuda is not None:
+        state["cuda"] = torch.cuda.get_rng_state(cuda).tolist()
+    return state
+
+
+def rng_problem(state: object) -> str:
+    """What is wrong with one rank's RNG state as a checkpoint holds it ("" when nothing is)."""
+    parts = {"cpu": state} if isinstance(state, list) else state
+    if not isinstance(parts, Mapping) or "cpu" not in parts:
+        return f"expected {{'cpu': [bytes], 'cuda': [bytes]}} or a list of bytes, got {type(state).__name__}"
+    for name in ("cpu", "cuda"):
+        value = parts.get(name, [0])
+        if not isinstance(value, list) or not value or not all(
+                isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in value):
+            return f"its {name!r} generator's state is not a list of bytes (0–255)"
+    size = torch.get_rng_state().numel()
+    if len(parts["cpu"]) != size:
+        return f"its 'cpu' generator's state has {len(parts['cpu'])} bytes; torch's has {size}"
+    return ""
+
+
+def set_rng_state(state: list[int] | Mapping[str, list[int]], device: torch.device) -> None:
+    """Put back a rank's RNG state from `rng_state` (or an older checkpoint's list: the CPU generator alone).
+    The CUDA generator's goes into ``device``'s; a rank resuming on the CPU skips it, and a CUDA rank resuming a
+    state without one keeps its generator as seeded. ``ValueError`` (`rng_problem`) for a malformed state."""
+    problem = rng_problem(state)
+    if problem:
+        raise ValueError(f"rng_states: {problem}")
+    parts = {"cpu": state} if isinstance(state, list) else state
+    torch.set_rng_state(torch.tensor(parts["cpu"], dtype=torch.uint8))
+    cuda = cuda_generator(device, torch.cuda.is_available())
+    if cuda is not None and "cuda" in parts:
+        torch.cuda.set_rng_state(torch.tensor(parts["cuda"], dtype=torch.uint8), cuda)
 
 
 def outline(model: torch.nn.Module) -> torch.nn.Module:

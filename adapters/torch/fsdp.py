@@ -34,10 +34,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from polytrain.adapters.torch.backend import TorchBackend, all_finite, check_fp16_runs
+from polytrain.adapters.torch.backend import TorchBackend, all_finite
 from polytrain.adapters.torch.execution import block_modules, compile_module, find_unit_classes
+from polytrain.adapters.torch.precision import check_fp16_runs
 from polytrain.errors import OwnLoopError, SpecError
-from polytrain.spec import TrainSpec
+from polytrain.spec.tables import TrainSpec
 
 MIXED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RESHARD_AFTER_FORWARD = {"full_shard": True, "shard_grad_op": False, "hybrid_shard": True, "no_shard": False}
@@ -58,7 +59,7 @@ def mesh_shape(sharding: str, size: int, num_nodes: int, local_size: int) -> tup
 
 
 def data_mesh_shape(sharding: str, grid: tuple[int, int, int], num_nodes: int, local_size: int) -> tuple[int, int]:
-    """(replicate, shard) of the data dimension of a ``pipeline × data × tensor`` grid (`polytrain.layout`), the
+    """(replicate, shard) of the data dimension of a ``pipeline × data × tensor`` grid (`polytrain.spec.layout`), the
     strategies meaning what they mean for the whole world in `mesh_shape`: hybrid_shard shards over the data
     ranks that share a node and replicates across nodes (one node: all of them, like full_shard)."""
     pipeline, data, tensor = grid
@@ -188,9 +189,7 @@ class FSDPBackend(TorchBackend):
         bad = float(not all_finite(grads))
         return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
 
-    def grad_scaler(self) -> Any | None:
-        if self.spec.precision != "fp16":
-            return None
+    def grad_scaler(self) -> Any:
         check_fp16_runs(self.device)
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -240,7 +239,7 @@ def load_optimizer_state_dcp(model: nn.Module, optimizer: torch.optim.Optimizer,
         if name in known:
             slots.setdefault(name, {})[slot] = value.clone() if value.ndim == 0 else value.to(device)
         elif name not in elsewhere:
-            from polytrain.checkpoint import CheckpointError
+            from polytrain.checkpoint.store import CheckpointError
 
             raise CheckpointError(f"checkpoint: optimizer state for unknown parameter {name!r}")
     if slots:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from polytrain.adapters.torch.backend import SyncAfterLastBackward, TorchBackend
+from polytrain.adapters.torch.contract import StepFn
 from polytrain.errors import BackendUnavailableError
 
 
@@ -82,21 +83,16 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
         with self.timeline.span("synchronize gradients", "collective"):
             self._optimizer.synchronize()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool | None:
-        with self._optimizer.skip_synchronize():
-            optimizer.step()
-        return None
-
-    def scaled_optimizer_step(self, optimizer: torch.optim.Optimizer, scaler: Any) -> bool:
-        with self._optimizer.skip_synchronize():
-            return super().scaled_optimizer_step(optimizer, scaler)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, step: StepFn | None = None) -> bool | None:
+        with self._optimizer.skip_synchronize():  # the gradients were synchronised after the last backward
+            return super().optimizer_step(optimizer, step)
 
     # ---------------------------------------------------------------- collectives for the Trainer
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
-        return self._started(values, op, f"polytrain.trainer.{op}")()
+        return self._started(values, op, f"polytrain.train.trainer.{op}")()
 
     def start_all_reduce(self, values: np.ndarray, op: str = "sum") -> Callable[[], np.ndarray]:
-        return self._started(values, op, f"polytrain.trainer.window.{op}")  # its own name: it overlaps others
+        return self._started(values, op, f"polytrain.train.trainer.window.{op}")  # its own name: it overlaps others
 
     def _started(self, values: np.ndarray, op: str, name: str) -> Callable[[], np.ndarray]:
         hvd = self.hvd
@@ -109,7 +105,7 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
         if self.world.size == 1:
             return obj
         # One name on every rank: Horovod's default is the object's type, which differs when only the root has one.
-        return self.hvd.broadcast_object(obj, root_rank=src, name="polytrain.trainer.broadcast_object")
+        return self.hvd.broadcast_object(obj, root_rank=src, name="polytrain.train.trainer.broadcast_object")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return list(self.hvd.allgather_object(obj)) if self.world.size > 1 else [obj]

@@ -14,8 +14,8 @@ from torch import nn
 
 from polytrain.data.source import DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.user_code import call_user
-from polytrain.zoo import ConvNetParams, MLPParams, is_import_path, load_factory, model_params
+from polytrain.spec.user_code import call_user
+from polytrain.spec.zoo import ConvNetParams, MLPParams, is_import_path, load_factory, model_params
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 

@@ -2,7 +2,7 @@
 
 No torch.distributed process group and no autograd hooks: after the backward pass of
 the last micro-step (the one not run under ``no_sync``) every parameter's gradient is
-averaged across ranks through ``polytrain.mpi_transport``; ``wrap`` broadcasts rank 0's
+averaged across ranks through ``polytrain.comm.mpi_transport``; ``wrap`` broadcasts rank 0's
 parameters and buffers so every rank starts alike. For jobs started by an MPI launcher.
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from polytrain.adapters.torch.backend import SyncAfterLastBackward, TorchBackend
-from polytrain.mpi_transport import MpiCollectives, TrainerCollectivesOverMpi
+from polytrain.comm.mpi_transport import MpiCollectives, TrainerCollectivesOverMpi
 
 
 def _host_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:

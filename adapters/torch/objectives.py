@@ -1,4 +1,4 @@
-"""The loss and the metrics on PyTorch tensors (names and reduction rules: `polytrain.objectives`)."""
+"""The loss and the metrics on PyTorch tensors (names and reduction rules: `polytrain.spec.objectives`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from polytrain import objectives
-from polytrain.user_code import call_user
+from polytrain.spec import objectives as objectives
+from polytrain.spec.user_code import call_user
 
 PerSample = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -61,7 +61,7 @@ METRICS: dict[str, PerSample] = {"accuracy": _correct, "top5_accuracy": _top5, "
 
 def _checked(fn: Any, field_name: str, name: str) -> PerSample:
     """The user's function, given a single-output head's outputs shaped like the targets
-    (`polytrain.objectives.single_output`) and held to one value per sample (a one-line error otherwise)."""
+    (`polytrain.spec.objectives.single_output`) and held to one value per sample (a one-line error otherwise)."""
     def per_sample(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         given = out.squeeze(-1) if objectives.single_output(tuple(out.shape), tuple(y.shape)) else out
         value = call_user(field_name, name, fn, given, y)

@@ -7,11 +7,12 @@ import datetime
 import os
 import re
 import types
+from pathlib import Path
 
 import torch.distributed as dist
 
+from polytrain.comm.net import ancestor_listening_on, listening_socket, listening_sockets, store_bind
 from polytrain.environments import restart_count
-from polytrain.net import listening_socket, store_bind
 from polytrain.world import World
 
 
@@ -21,7 +22,7 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     Under torchrun the elastic agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``) and keeps it
     across worker restarts; without a per-restart prefix, restarted workers would read the dead
     workers' addresses. Elsewhere rank 0 hosts it at the World's master address and port, listening only
-    on the address the master names here (`polytrain.net.store_bind`; TCPStore alone would listen on every
+    on the address the master names here (`polytrain.comm.net.store_bind`; TCPStore alone would listen on every
     interface).
     """
     hosting = world.rank == 0 and not uses_agent_store()
@@ -40,13 +41,53 @@ def uses_agent_store() -> bool:
 
 
 def listen_address(world: World) -> str:
-    """Where this job's rendezvous store listens (for the start-up log)."""
+    """Where this job's rendezvous listens (for the start-up log). Under torchrun, what its agent (the ancestor
+    listening on MASTER_PORT) really listens on, read from /proc: its c10d rendezvous (``--rdzv_endpoint``) and
+    the agent store, each bound by torchrun to every interface; where /proc cannot tell, the agent store alone."""
     if uses_agent_store():
-        return (f"{world.master_addr}:{world.master_port}, torchrun's agent store (torchrun binds it to every "
-                f"interface; polytrain does not control it)")
+        agent = ancestor_listening_on(int(world.master_port))
+        if agent is None:
+            return (f"{world.master_addr}:{world.master_port}, torchrun's agent store (torchrun binds it to every "
+                    f"interface; polytrain does not control it)")
+        return _torchrun_listeners(agent, int(world.master_port))
     bind = store_bind(str(world.master_addr), world.local_size == world.size)
     where = f"{bind.address}:{world.master_port}" if bind.address else f"all interfaces, port {world.master_port}"
     return f"{where} ({bind.why})"
+
+
+def _torchrun_listeners(agent: int, master_port: int) -> str:
+    """Every socket torchrun's agent process ``agent`` listens on, each with what it is."""
+    sockets = listening_sockets(agent)
+    rendezvous, flag = _rendezvous_port(agent, [port for _, port in sockets if port != master_port])
+
+    def role(port: int) -> str:
+        if port == master_port:
+            return "torchrun's agent store, MASTER_PORT"
+        return f"torchrun's c10d rendezvous, {flag}" if port == rendezvous else "torchrun's own"
+
+    ordered = sorted(sockets, key=lambda item: (item[1] != rendezvous, item[1] != master_port, item[1]))
+    parts = [f"{f'{host}:{port}' if host else f'all interfaces, port {port}'} ({role(port)})" for host, port in ordered]
+    listed = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    them = "it" if len(parts) == 1 else "them"
+    return f"{listed}; torchrun binds {them}, polytrain does not control {them}"
+
+
+def _rendezvous_port(agent: int, others: list[int]) -> tuple[int | None, str]:
+    """The port of torchrun's ``--rdzv_endpoint`` (its command line's; 29400 when it names none), or with
+    ``--standalone`` (a port torchrun picks) the one other port its agent listens on; and that flag."""
+    try:
+        args = Path(f"/proc/{agent}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None, ""
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in ("--rdzv_endpoint", "--rdzv-endpoint"):
+            value = value if equals else (args[i + 1] if i + 1 < len(args) else "")
+            host, colon, port = value.rpartition(":")
+            return (int(port) if colon and port.isdigit() else 29400), "--rdzv_endpoint"
+        if arg == "--":
+            break
+    return (others[0] if "--standalone" in args and len(others) == 1 else None), "--standalone"
 
 
 def rendezvous_error(exc: BaseException, world: World, timeout_s: float) -> Exception:

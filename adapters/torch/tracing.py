@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.timeline import COLLECTIVES
+from polytrain.observe.timeline import COLLECTIVES
 
 #: torch.distributed's name → the operation recorded (names differ across torch releases).
 TRACED = {

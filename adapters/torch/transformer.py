@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polytrain.data.source import DatasetInfo
-from polytrain.zoo import TransformerParams
+from polytrain.spec.zoo import TransformerParams
 
 
 class CausalSelfAttention(nn.Module):

@@ -4,13 +4,15 @@
 writes the files itself, through its async I/O op (``async_io``, built once against libaio and kept by versions,
 `load_aio_op`); polytrain owns where they go and that they go away:
 
-- the folder: ``<nvme_path>/polytrain-<digest of the output directory>``, so two jobs sharing a drive never meet
-  and a restarted job finds its own; DeepSpeed makes ``zero_stage_3/optimizer/rank<R>`` and
-  ``zero_stage_3/<dtype>params/rank<R>`` under it;
+- the folder: ``<nvme_path>/polytrain-<digest of the output directory and a key of this job's own>``, so no two
+  jobs ever share one, not even two with the same output; DeepSpeed makes ``zero_stage_3/optimizer/rank<R>`` and
+  ``zero_stage_3/<dtype>params/rank<R>`` under it. Every rank of the job holds a shared lock on it while it lives
+  (`polytrain.adapters.torch.swap_folders`): at start-up a live job of the same output refuses this one (one line,
+  exit code 2) before anything is touched, and a killed one's folder is removed;
 - before the engine is built, on every rank: the folder can be made and written with direct I/O (DeepSpeed opens
   with ``O_DIRECT``), the drive has room for what this node's ranks will write (`needed_bytes`) and the op loads;
-  what fails is one line naming the path on every rank. A killed run's files are removed then (first local rank
-  of each node, then a barrier), and each rank removes its own at the end of the run, also a failed one;
+  what fails is one line naming the path on every rank. Each rank removes its own files at the end of the run,
+  also a failed one, and the last to let go of the lock removes the folder;
 - a write that fails mid-run (the drive full, read-only, or the files made read-only) is one line naming the
   path and the last complete checkpoint, exit code 1: DeepSpeed itself only fails an assertion.
 
@@ -24,48 +26,43 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import hashlib
 import importlib.util
 import math
 import os
 import platform
+import secrets
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from polytrain.adapters.torch.swap_folders import claim, hold, job_folder, rank_files, remove
 from polytrain.errors import BackendUnavailableError, SpecError, TrainingFailure
-from polytrain.spec import TrainSpec
+from polytrain.spec.tables import TrainSpec
 
-SWAP_ROOT = "zero_stage_3"  # DeepSpeed's folder under the nvme_path it is given
 PROBE = ".polytrain-probe"
 ALIGN = 4096  # a direct-I/O write's alignment
 OP_CACHE = Path.home() / ".cache" / "polytrain" / "deepspeed_ops"  # built ops, by versions (`load_aio_op`)
 MARGIN = 1.1  # room over the estimate: DeepSpeed pads each swapped tensor to its I/O alignment
 
 
-def job_folder(spec: TrainSpec) -> Path:
-    """Where this job's offloaded files go: one folder per output directory under ``deepspeed.nvme_path``."""
-    tag = hashlib.sha256(str(Path(spec.output).resolve()).encode()).hexdigest()[:12]
-    return Path(str(spec.deepspeed.nvme_path)).expanduser().resolve() / f"polytrain-{tag}"
-
-
-def offload_section(spec: TrainSpec, key: str, on_gpu: bool) -> dict[str, Any] | None:
-    """``zero_optimization.offload_optimizer`` / ``offload_param`` for the spec's device (None: no offload)."""
+def offload_section(spec: TrainSpec, key: str, on_gpu: bool, folder: Path | None = None) -> dict[str, Any] | None:
+    """``zero_optimization.offload_optimizer`` / ``offload_param`` for the spec's device (None: no offload);
+    ``folder``: the job's (`prepare`), by default the keyless `job_folder`."""
     ds = spec.deepspeed
     device = ds.optimizer_device if key == "offload_optimizer" else ds.param_device
     if not device:
         return None
     section: dict[str, Any] = {"device": device, "pin_memory": on_gpu}
     if device == "nvme":
-        section["nvme_path"] = str(job_folder(spec))
+        section["nvme_path"] = str(folder or job_folder(spec))
     return section
 
 
 def aio_section(spec: TrainSpec) -> dict[str, Any] | None:
     """DeepSpeed's ``aio`` table from ``deepspeed.aio`` (None without an nvme offload)."""
-    from polytrain import schema
+    from polytrain.spec import schema as schema
 
     return schema.plain(spec.deepspeed.aio) if spec.deepspeed.uses_nvme else None
 
@@ -190,37 +187,36 @@ def create_probe(folder: Path, flags: int = 0) -> None:
 
 
 def prepare(backend: Any, numel: int) -> Path:
-    """Before ``deepspeed.initialize``, on every rank (collective): the folder checked on every node, a killed
-    run's files removed; a problem on any rank is the same one line on all of them."""
+    """Before ``deepspeed.initialize``, on every rank (collective): this job's folder made and locked on every node,
+    a live job of the same output refusing this one before anything is touched and a killed one's files removed
+    (`claim`), then the folder checked; a problem on any rank is the same one line on all of them. Returns the
+    folder (this rank holds its lock until `remove`)."""
     spec, world = backend.spec, backend.world
-    folder = job_folder(spec)
     load_aio_op()
     keep_parameter_dtype()
-    found = problem(folder, needed_bytes(spec, numel, world.size) * world.local_size)
-    found_all = backend.all_gather_object(found)
-    for rank, text in enumerate(found_all):
-        if text:
-            raise SpecError(f"deepspeed.nvme_path: {text} (rank {rank})")
-    if world.local_rank == 0:
-        shutil.rmtree(folder / SWAP_ROOT, ignore_errors=True)  # what a killed run left
-    backend.barrier()
+    key = backend.broadcast_object(secrets.token_hex(8) if world.rank == 0 else None)
+    folder = job_folder(spec, str(key))
+    try:
+        _agree(backend, claim(folder, spec) if world.local_rank == 0 else "")
+        found = ""
+        if world.local_rank != 0:
+            try:
+                hold(folder, None)
+            except OSError as exc:
+                found = f"cannot write to {folder} ({exc.strerror or exc}); choose a writable directory"
+        _agree(backend, found or problem(folder, needed_bytes(spec, numel, world.size) * world.local_size))
+        backend.barrier()
+    except BaseException:
+        remove(folder, world.rank)  # this job's own folder, nothing else
+        raise
     return folder
 
 
-def rank_files(folder: Path, rank: int) -> list[Path]:
-    """This rank's offloaded files (optimizer state and parameters)."""
-    return sorted(p for d in folder.glob(f"{SWAP_ROOT}/*/rank{rank}") for p in d.iterdir() if p.is_file())
-
-
-def remove(folder: Path, rank: int) -> None:
-    """This rank's files, then whichever folders are left empty (the last rank to finish removes the job's)."""
-    for d in folder.glob(f"{SWAP_ROOT}/*/rank{rank}"):
-        shutil.rmtree(d, ignore_errors=True)
-    for d in [*folder.glob(f"{SWAP_ROOT}/*"), folder / SWAP_ROOT, folder]:
-        try:
-            d.rmdir()
-        except OSError:
-            pass  # another rank's files are still there, or it is gone already
+def _agree(backend: Any, found: str) -> None:
+    """Every rank learns every rank's problem (``found``: "" for none); the first is one line on each."""
+    for rank, text in enumerate(backend.all_gather_object(found)):
+        if text:
+            raise SpecError(f"deepspeed.nvme_path: {text} (rank {rank})")
 
 
 @contextlib.contextmanager
@@ -285,7 +281,7 @@ def free_bytes(folder: Path) -> int:
 
 
 def failure(spec: TrainSpec, folder: Path, reason: str) -> TrainingFailure:
-    from polytrain.checkpoint import complete_checkpoints
+    from polytrain.checkpoint.store import complete_checkpoints
 
     kept = complete_checkpoints(spec.checkpoint_dir)
     previous = f"the last checkpoint {kept[-1]} is intact" if kept else "no checkpoint was written yet"

@@ -68,7 +68,7 @@ def worker_env(device: str, extra: dict[str, str] | None = None) -> dict[str, st
 def _free_ports(count: int) -> list[int]:
     """Ports for runs that start one after another, minutes apart: held below the ephemeral range (an
     OS-picked free port was taken by a gloo connection of an earlier run, in CI)."""
-    from polytrain.net import port_to_hold
+    from polytrain.comm.net import port_to_hold
 
     ports: list[int] = []
     for _ in range(count):

@@ -40,7 +40,7 @@ def _model(cfg: SpeedConfig, device: Any) -> Any:
 
     from polytrain.adapters.torch.transformer import build_transformer
     from polytrain.data.source import DatasetInfo
-    from polytrain.zoo import TransformerParams
+    from polytrain.spec.zoo import TransformerParams
 
     torch.manual_seed(0)
     params = TransformerParams(d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers)
@@ -110,7 +110,7 @@ def hand(cfg: SpeedConfig, compiled: bool = False) -> dict[str, Any]:
 
 def polytrain_trainer(cfg: SpeedConfig, compiled: bool = False) -> dict[str, Any]:
     from polytrain import validation
-    from polytrain.trainer import Trainer
+    from polytrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="polytrain-gpu-speed-") as out:
         Trainer(validation.from_dict(cfg.spec(out, compiled=compiled)), show_progress=False).fit()

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from polytrain.callbacks import Callback, RunInfo
+from polytrain.train.callbacks import Callback, RunInfo
 from polytrain.world import World
 
 
@@ -101,7 +101,7 @@ def train_run(run: dict[str, Any], world: World, device: str) -> dict[str, Any]:
     from polytrain import registry, validation
     from polytrain.adapters.torch.objectives import LOSSES
     from polytrain.protocols import UserCode
-    from polytrain.trainer import Trainer
+    from polytrain.train.trainer import Trainer
 
     raw, user = dict(run["raw"]), None
     if run.get("inject_at"):

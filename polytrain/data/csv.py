@@ -22,7 +22,7 @@ from polytrain.data.files import RawFile, assemble, check_apart, check_label_ran
 from polytrain.data.plan import shuffled
 from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SCAN_ROWS = 65536  # labels checked this many rows at a time while scanning

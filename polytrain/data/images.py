@@ -28,7 +28,7 @@ from polytrain.data.image_decode import Decoder, ImageProblem, crops
 from polytrain.data.plan import shuffled
 from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.spec import AugmentSpec, DataSpec
+from polytrain.spec.tables import AugmentSpec, DataSpec
 
 #: the raster formats read, each where this Pillow can open it (WebP, AVIF, JPEG 2000 depend on its build); other
 #: files under the class folders are not images to this source (named in the error when a tree holds no image)

@@ -9,7 +9,7 @@ import numpy as np
 from polytrain.data.files import check_inferred, finite_or_refuse
 from polytrain.data.source import ArraySource, Data, DatasetInfo, Source, split
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 
 def _arrays(value: Any, where: str) -> tuple[np.ndarray, np.ndarray] | None:

@@ -36,7 +36,7 @@ from polytrain.data.files import (
 )
 from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 Block = tuple[np.ndarray, np.ndarray]
 #: Arrow's allocator keeps what a decode freed for its next allocation; handing it back costs about as much

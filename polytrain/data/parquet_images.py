@@ -24,7 +24,7 @@ from polytrain.data.images import make_augment, normalisation
 from polytrain.data.parquet import Block, ParquetSource, open_parquet
 from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 #: the data.* fields that describe images: only for a column of encoded images
 IMAGE_FIELDS = ("image_size", "channels", "mean", "std", "augment")

@@ -25,7 +25,7 @@ import numpy as np
 from polytrain.data.plan import StepPlan
 from polytrain.data.source import Source
 from polytrain.errors import SpecError
-from polytrain.user_code import call_user, load_callable, user_name
+from polytrain.spec.user_code import call_user, load_callable, user_name
 
 Batch = tuple[np.ndarray, np.ndarray]
 Rngs = Sequence[np.random.Generator]

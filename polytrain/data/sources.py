@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from polytrain.data.arrays import load_dataset
 from polytrain.data.source import ArraySource, Data
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 
 def open_arrays(spec: DataSpec, seed: int) -> Data:

@@ -23,7 +23,7 @@ from polytrain.data.files import RawFile, assemble, check_apart, check_inferred,
 from polytrain.data.plan import shuffled
 from polytrain.data.source import Data, DatasetInfo
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 _SCAN_TOKENS = 1 << 22  # ids read at a time by the vocabulary scan (8-16 MiB)
 

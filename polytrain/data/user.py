@@ -27,8 +27,8 @@ from polytrain.data.files import assemble, check_inferred, first_nonfinite, num_
 from polytrain.data.plan import shuffled
 from polytrain.data.source import Data, DatasetInfo, split
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
-from polytrain.user_code import call_user, load_callable
+from polytrain.spec.tables import DataSpec
+from polytrain.spec.user_code import call_user, load_callable
 
 
 def as_numpy(value: Any) -> np.ndarray:

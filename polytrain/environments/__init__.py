@@ -12,6 +12,7 @@ from polytrain.environments.detect import (
     environment_for,
     restart_count,
 )
+from polytrain.environments.elastic import ElasticEnvironment
 from polytrain.environments.horovod import HorovodGlooEnvironment, HorovodMpiEnvironment
 from polytrain.environments.lsf import LsfEnvironment
 from polytrain.environments.mpi import (
@@ -26,7 +27,7 @@ from polytrain.environments.torchrun import EnvInitEnvironment, PolytrainLocalEn
 
 __all__ = [
     "PRECEDENCE", "Environment", "by_launcher", "detect", "detect_world", "ensure_master", "environment_for", "restart_count",
-    "DeepSpeedEnvironment", "EnvInitEnvironment", "HorovodGlooEnvironment", "HorovodMpiEnvironment",
+    "DeepSpeedEnvironment", "ElasticEnvironment", "EnvInitEnvironment", "HorovodGlooEnvironment", "HorovodMpiEnvironment",
     "IntelMpiEnvironment", "LsfEnvironment", "MpichEnvironment", "MvapichEnvironment", "OpenMpiEnvironment",
     "PolytrainLocalEnvironment", "SingleProcessEnvironment", "SlurmEnvironment", "TorchrunEnvironment",
 ]

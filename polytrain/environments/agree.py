@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+from polytrain.comm.net import address_for_peers, free_port
 from polytrain.environments.detect import by_launcher
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
-from polytrain.net import address_for_peers, free_port
 from polytrain.world import World
 
 

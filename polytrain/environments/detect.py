@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from polytrain.environments.base import Environment
 from polytrain.environments.deepspeed import DeepSpeedEnvironment
+from polytrain.environments.elastic import ElasticEnvironment
 from polytrain.environments.horovod import HorovodGlooEnvironment, HorovodMpiEnvironment
 from polytrain.environments.lsf import LsfEnvironment
 from polytrain.environments.mpi import (
@@ -30,6 +31,7 @@ from polytrain.errors import EnvironmentDetectionError
 from polytrain.world import World
 
 PRECEDENCE: tuple[type[Environment], ...] = (
+    ElasticEnvironment,  # polytrain's elastic driver: horovodrun-gloo's variables, under any allocation
     PolytrainLocalEnvironment,
     RayEnvironment,  # polytrain's Ray workers: torchrun's variables, and Ray itself may run inside Slurm
     TorchrunEnvironment,

@@ -8,6 +8,7 @@ the default), and otherwise runs the same API on the framework's own collectives
 the real one. Shared constants and settings live in `polytrain.horovod.common`.
 """
 
+from polytrain.comm.mpi_singleton import keep_singletons_off_shared_memory
 from polytrain.horovod.common import (
     Adasum,
     Average,
@@ -18,8 +19,7 @@ from polytrain.horovod.common import (
     Sum,
     use_real_horovod,
 )
-from polytrain.mpi_singleton import keep_singletons_off_shared_memory
 
-keep_singletons_off_shared_memory()  # before Horovod or mpi4py starts MPI (see polytrain.mpi_singleton)
+keep_singletons_off_shared_memory()  # before Horovod or mpi4py starts MPI (see polytrain.comm.mpi_singleton)
 
 __all__ = ["Adasum", "Average", "HorovodSettings", "Max", "Min", "Product", "Sum", "use_real_horovod"]

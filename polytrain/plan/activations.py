@@ -23,8 +23,8 @@ def global_batch(spec_batch: int, spec_global: int | None, data: int, accum: int
 
 def stage_blocks(census: Census, pipeline: int, chunks: int = 1,
                  boundaries: Sequence[int] | None = None) -> list[range]:
-    """The block indices of each pipeline stage (`polytrain.layout.balanced_boundaries`, as the pipeline cuts)."""
-    from polytrain.layout import balanced_boundaries
+    """The block indices of each pipeline stage (`polytrain.spec.layout.balanced_boundaries`, as the pipeline cuts)."""
+    from polytrain.spec.layout import balanced_boundaries
 
     stages = pipeline * chunks
     sizes = census.block_sizes()

@@ -1,7 +1,7 @@
 """The layouts `polytrain plan` weighs for a spec on N ranks, the ``--set`` overrides that run each one, and how
 they are ranked.
 
-Validity is `polytrain.layout`'s (the same rules a run checks: ``check_spec``, ``check_model``, ``grid_for``,
+Validity is `polytrain.spec.layout`'s (the same rules a run checks: ``check_spec``, ``check_model``, ``grid_for``,
 ``check_blocks``); a grid the model or world does not allow is not a candidate. PyTorch specs get ddp (``local``
 on one rank), fsdp full_shard / shard_grad_op (and hybrid_shard on several nodes, cpu_offload with full_shard),
 ZeRO-1/2/3 with and without optimizer offload (and ZeRO-3 with parameter offload; given a drive's directory, ZeRO-3
@@ -24,7 +24,7 @@ from typing import Any
 from polytrain.errors import SpecError
 from polytrain.plan.census import Census
 from polytrain.plan.memory import DEFAULT_BUCKET, DEFAULT_PERSISTENCE, DEFAULT_REUSE, Layout, Prediction
-from polytrain.spec import TrainSpec
+from polytrain.spec.tables import TrainSpec
 
 TF_BACKENDS = ("mpi", "horovod", "tf-multiworker")
 
@@ -63,7 +63,7 @@ def backend_options(spec: TrainSpec) -> dict[str, Any]:
 def _grid_allowed(spec: TrainSpec, census: Census, world: int, t: int, p: int, data_backend: str,
                   samples: int) -> bool:
     from polytrain import registry
-    from polytrain.layout import ParallelSpec, check_blocks, check_model, check_spec, grid_for
+    from polytrain.spec.layout import ParallelSpec, check_blocks, check_model, check_spec, grid_for
 
     parallel = ParallelSpec(tensor=t, pipeline=p, tensor_plan=spec.parallel.tensor_plan if t > 1 else None,
                             microbatches=spec.parallel.microbatches if p > 1 else None,
@@ -147,9 +147,10 @@ def overrides(spec: TrainSpec, layout: Layout, samples: int | None = None) -> li
     ``parallel`` fields put back to their defaults where the layout does not use them (a spec refuses them then).
     ``samples``: the global batch to keep; a layout with fewer data ranks than the spec's own then gets
     ``data.global_batch_size`` (``data.batch_size`` is per data rank)."""
-    from polytrain import registry, schema
-    from polytrain.backend_options import AioSpec
-    from polytrain.layout import ParallelSpec
+    from polytrain import registry
+    from polytrain.spec import schema as schema
+    from polytrain.spec.backend_options import AioSpec
+    from polytrain.spec.layout import ParallelSpec
 
     wanted: dict[str, Any] = {"backend": layout.backend}
     if spec.framework == "torch":

@@ -27,7 +27,7 @@ from typing import Any
 
 from polytrain.errors import SpecError
 from polytrain.plan.trace import Trace, example_batch, local_tensor, trace_model
-from polytrain.spec import TrainSpec
+from polytrain.spec.tables import TrainSpec
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def model_info(spec: TrainSpec) -> Any:
 def build_fake(spec: TrainSpec, info: Any) -> Any:
     """The spec's torch model with fake tensors (call under a `FakeTensorMode`)."""
     from polytrain.adapters.torch.models import build_model
-    from polytrain.zoo import model_params
+    from polytrain.spec.zoo import model_params
 
     name, params = spec.model.name, spec.model.params
     if name == "transformer":
@@ -131,8 +131,8 @@ def _params(model: Any, blocks: list[Any]) -> tuple[Param, ...]:
 
 
 def tensor_degrees(spec: TrainSpec, world_size: int) -> tuple[int, ...]:
-    """The tensor-parallel degrees above 1 the model allows at ``world_size`` ranks (`polytrain.layout`'s rules)."""
-    from polytrain.layout import ParallelSpec, check_model
+    """The tensor-parallel degrees above 1 the model allows at ``world_size`` ranks (`polytrain.spec.layout`'s rules)."""
+    from polytrain.spec.layout import ParallelSpec, check_model
 
     found = []
     for t in range(2, world_size + 1):
@@ -191,8 +191,8 @@ def take_census(spec: TrainSpec, world_size: int, degrees: Sequence[int] | None 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from polytrain.adapters.torch.framework import AUTOCAST_DTYPES
-    from polytrain.zoo import ZOO
+    from polytrain.adapters.torch.precision import AUTOCAST_DTYPES
+    from polytrain.spec.zoo import ZOO
 
     if spec.framework != "torch" and spec.model.name not in ZOO:
         raise SpecError(f"model.name: plan sizes TensorFlow specs through the zoo's PyTorch twin; {spec.model.name!r} "

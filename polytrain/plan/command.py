@@ -102,7 +102,7 @@ def predict(spec: Any, census: Any, layout: Any, world: int, nodes: int = 1, lin
             rank: int | None = None, tflops: float = DEFAULT_TFLOPS, step_samples: int | None = None) -> Any:
     """One layout's `memory.Prediction`, its communication and step time filled in (the worst rank, or ``rank``);
     ``step_samples``: the global batch (default: what the spec means in this layout)."""
-    from polytrain.layout import ParallelSpec, grid_for
+    from polytrain.spec.layout import ParallelSpec, grid_for
 
     precision = Precision(spec.precision, optimizer_state_bytes(spec.optimizer.name, spec.optimizer.momentum))
     options = {**cand.backend_options(spec), "per_node": world // nodes}
@@ -138,7 +138,7 @@ def _row(spec: Any, pred: Any, limits: tuple[float, float | None, int], samples:
 def _check_overrides(spec: Any, overrides: list[str]) -> None:
     """The recommended overrides must load (the same rules a run checks)."""
     from polytrain import validation
-    from polytrain.spec_files import apply_overrides
+    from polytrain.spec.files import apply_overrides
 
     validation.from_dict(apply_overrides(spec.to_dict(), overrides))
 

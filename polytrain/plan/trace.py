@@ -14,7 +14,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from polytrain.spec import TrainSpec
+from polytrain.spec.tables import TrainSpec
 
 #: region of a saved tensor: before the first block, inside block i (0..n-1), after the last block
 PRE, POST = -1, 1 << 30
@@ -177,9 +177,9 @@ def _trace_once(spec: TrainSpec, info: Any, model: Any, blocks: list[Any], batch
                 backward: bool, native: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
 
-    from polytrain import objectives
-    from polytrain.adapters.torch.framework import AUTOCAST_DTYPES
     from polytrain.adapters.torch.objectives import loss_fn
+    from polytrain.adapters.torch.precision import AUTOCAST_DTYPES
+    from polytrain.spec import objectives as objectives
 
     loss = loss_fn(objectives.loss_name(spec.loss, info.task), None)
     x, y = example_batch(info, batch)

@@ -1,5 +1,5 @@
 """`Distributed.save` / `Distributed.load` for a TensorFlow loop: the Trainer's checkpoints
-(`polytrain.loop_checkpoints` says what goes where and what ``step`` and ``epoch`` mean).
+(`polytrain.loop.checkpoints` says what goes where and what ``step`` and ``epoch`` mean).
 
 What a state given to ``save`` may hold, by value:
 - a Keras model → ``model.safetensors`` by portable name, as the Trainer names it (`polytrain.adapters.tensorflow.
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.random.seed_generator import global_seed_generator  # Keras exports no public accessor
 
-from polytrain import checkpoint as ckpt
-from polytrain import loop_checkpoints as lc
 from polytrain.adapters.tensorflow.models import (
     MLP,
     ConvNet,
@@ -39,16 +37,18 @@ from polytrain.adapters.tensorflow.models import (
     to_portable,
     user_portable_variables,
 )
+from polytrain.checkpoint import record
+from polytrain.checkpoint import store as ckpt
+from polytrain.checkpoint.manifest import restore_rng
 from polytrain.errors import OwnLoopError
-
-if TYPE_CHECKING:
-    from polytrain.tensorflow.distributed import Distributed
+from polytrain.loop import checkpoints as lc
 
 OPTIMIZER = "keras_optimizer"  # the file stem of a Keras optimizer's state (see the module)
 
 
-def save(dist: Distributed, root: str | Path, state: Mapping[str, Any], keep_last: int | None = None) -> Path:
-    """Write ``state`` as the checkpoint of its ``step`` under ``root``; see the module."""
+def save(loop: lc.LoopState, root: str | Path, state: Mapping[str, Any], keep_last: int | None = None) -> Path:
+    """Write ``state`` as the checkpoint of its ``step`` under ``root``; see the module. ``loop``: the
+    `Distributed`'s backend, world, spec and run (the model and optimizer saved are those in ``state``)."""
     roles = _roles(state, "save")
     model, optimizer = _model_and_optimizer(state, roles, "save")
     step, epoch = lc.counter(state, "step"), lc.counter(state, "epoch")
@@ -60,24 +60,21 @@ def save(dist: Distributed, root: str | Path, state: Mapping[str, Any], keep_las
         tensors[OPTIMIZER] = {name: np.array(var.numpy()) for name, var in optimizer_entries(optimizer, model).items()}
     tensors["loop"] = {k: np.array(v.numpy() if isinstance(v, tf.Variable) else v) for k, v in state.items()
                        if roles[k] == "tensor"}
-    described = lc.manifest(framework="tensorflow", backend=dist.backend.name, world_size=dist.world.size,
-                            epoch=epoch, run_id=dist._owner.run_id or ckpt.new_run_id(), rng_states=_rng_states(dist),
-                            loss_scaler=None, loop_state=values, precision=dist.spec.precision,
-                            trackers=dist.tracker_ids())
-    return lc.write(dist.backend, dist.world.rank, dist.world.size, Path(root), step, tensors, described, keep_last,
-                    dist._owner)
+    described = lc.manifest(loop, epoch=epoch, rng_states=_rng_states(loop), loop_state=values)
+    return lc.write(loop, Path(root), step, tensors, described, keep_last)
 
 
-def load(dist: Distributed, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
+def load(loop: lc.LoopState, path: str | Path, state: Mapping[str, Any]) -> lc.Loaded:
     """Put the checkpoint ``path`` names (a step directory, or a root: its newest) into ``state``'s objects;
-    returns its plain values with ``step``, ``epoch`` and ``step_in_epoch``."""
+    returns its plain values with ``step``, ``epoch`` and ``step_in_epoch``, and the run and tracker runs the loop
+    goes on in."""
     roles = _roles(state, "load")
     model, optimizer = _model_and_optimizer(state, roles, "load")
-    found, manifest, tensors = lc.read(dist.backend, dist.world.size, path)
+    found, manifest, tensors = lc.read(loop, path)
     if model is not None:
         named = entries(model, "load")
         stored = tensors.get("model", {})
-        lc.check_names(found, stored, {e.name: to_portable(np.empty(e.variable.shape, np.uint8), e.layout).shape
+        record.check_names(found, stored, {e.name: to_portable(np.empty(e.variable.shape, np.uint8), e.layout).shape
                                        for e in named}, "model")
         for e in named:
             e.variable.assign(from_portable(np.asarray(stored[e.name]), e.layout).astype(e.variable.dtype))
@@ -89,7 +86,7 @@ def load(dist: Distributed, path: str | Path, state: Mapping[str, Any]) -> dict[
         if not optimizer.built:  # its slots are made when it is built: load before the first step, too
             optimizer.build(model.trainable_variables)
         slots = optimizer_entries(optimizer, model)
-        lc.check_names(found, tensors[OPTIMIZER], {k: tuple(v.shape) for k, v in slots.items()}, "Keras optimizer")
+        record.check_names(found, tensors[OPTIMIZER], {k: tuple(v.shape) for k, v in slots.items()}, "Keras optimizer")
         for name, var in slots.items():
             var.assign(np.asarray(tensors[OPTIMIZER][name]).astype(var.dtype))
     loop_tensors = tensors.get("loop", {})
@@ -102,17 +99,10 @@ def load(dist: Distributed, path: str | Path, state: Mapping[str, Any]) -> dict[
             state[key][...] = loop_tensors[key]
         else:
             state[key].assign(loop_tensors[key])
-    rng = manifest.get("rng_states") or []
-    if manifest.get("framework") == "tensorflow" and manifest.get("world_size") == dist.world.size \
-            and len(rng) == dist.world.size:
-        global_seed_generator().state.assign(np.asarray(rng[dist.world.rank], dtype=np.int64))
-    if manifest.get(ckpt.RUN_KEY):  # the run goes on: its later saves may replace and prune its checkpoints
-        dist._owner = ckpt.Owner(manifest[ckpt.RUN_KEY])
-    dist._resumed_trackers = dict(manifest.get("trackers") or {})  # and its tracker runs
-    values = dict(manifest.get("loop_state") or {})
-    values.update(step=int(manifest.get("global_step", 0)), epoch=int(manifest.get("epoch", 0)),
-                  step_in_epoch=int(manifest.get("step_in_epoch", 0)))
-    return values
+    if manifest.get("framework") == "tensorflow":  # at the same world size; a state Keras refuses is one line
+        restore_rng(lambda state: global_seed_generator().state.assign(np.asarray(state, dtype=np.int64)),
+                    manifest, found, loop.world)
+    return lc.loaded(manifest)  # the run (and its tracker runs) goes on: `Distributed` takes them up
 
 
 def entries(model: keras.Model, verb: str = "save") -> list[PortableVariable]:
@@ -144,12 +134,12 @@ def optimizer_entries(optimizer: keras.optimizers.Optimizer, model: keras.Model 
     return out
 
 
-def _rng_states(dist: Distributed) -> list[list[int]]:
+def _rng_states(loop: lc.LoopState) -> list[list[int]]:
     """Every rank's Keras seed-generator state, gathered as numbers (each rank fills its own row)."""
     mine = np.asarray(global_seed_generator().state.numpy(), dtype=np.float64)  # small counts: exact in float64
-    rows = np.zeros((dist.world.size, mine.size))
-    rows[dist.world.rank] = mine
-    return np.asarray(dist.backend.all_reduce(rows, "sum")).astype(np.int64).tolist()
+    rows = np.zeros((loop.world.size, mine.size))
+    rows[loop.world.rank] = mine
+    return np.asarray(loop.backend.all_reduce(rows, "sum")).astype(np.int64).tolist()
 
 
 def _roles(state: Mapping[str, Any], verb: str) -> dict[str, str]:

@@ -19,10 +19,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from polytrain import checkpoint, registry, validation
+from polytrain import registry, validation
+from polytrain.checkpoint import store as checkpoint
 from polytrain.environments import detect_world
 from polytrain.errors import BackendUnavailableError, OwnLoopError
-from polytrain.loop_session import LoopSession
+from polytrain.loop.checkpoints import LoopState
+from polytrain.loop.session import LoopSession
+from polytrain.loop.watch import LoopWatch
 from polytrain.tensorflow.averaging import Averager, DistributedOptimizer
 from polytrain.tensorflow.data import shard
 from polytrain.world import World
@@ -66,6 +69,7 @@ class Distributed(LoopSession):
         if name not in SUPPORTED:
             raise OwnLoopError(f"backend: {name!r} is not in polytrain.tensorflow (it takes {', '.join(SUPPORTED)})")
         self.backend = registry.create_backend(self.spec, self.world)
+        self._watch = LoopWatch(self.world.rank, self.world.size, between="the script's own code")
         self._averager = Averager(self.backend, self.world.size)
         self._model: keras.Model | None = None
         self._optimizer: DistributedOptimizer | None = None
@@ -83,6 +87,8 @@ class Distributed(LoopSession):
         if self.spec.precision == "bf16":
             keras.config.set_dtype_policy("mixed_bfloat16")
         self._hold()
+        reliability = self.spec.reliability  # warnings and failures named in save and load only (see LoopWatch)
+        self._watch.start(self.backend, reliability.stall_warning_s, reliability.collective_timeout_s)
 
     # ------------------------------------------------------------------ who and where
     @property
@@ -181,7 +187,8 @@ class Distributed(LoopSession):
         self._eager("save")
         from polytrain.tensorflow.checkpoints import save
 
-        return save(self, path, state, keep_last)
+        with self._watch.during("the checkpoint save"):
+            return save(self._loop_state(), path, state, keep_last)
 
     def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
         """Put a checkpoint (a loop's or the Trainer's; a step directory or the root holding them) into
@@ -190,12 +197,20 @@ class Distributed(LoopSession):
         self._eager("load")
         from polytrain.tensorflow.checkpoints import load
 
-        return load(self, path, state)
+        with self._watch.during("the checkpoint load"):
+            return self._resumed(load(self._loop_state(), path, state))
+
+    def _loop_state(self) -> LoopState:
+        """What `save` and `load` work on (`polytrain.loop.checkpoints.LoopState`; the model and optimizer saved
+        are those the state given names)."""
+        return LoopState(self.backend, self.world, self.spec, self._model, self._optimizer, self._owner,
+                         self.tracker_ids())
 
     # ------------------------------------------------------------------ lifetime
     def _release(self) -> None:
         self._model = self._optimizer = None
         keras.config.set_dtype_policy(self._policy)
+        self._watch.close()
 
     def _eager(self, verb: str) -> None:
         if not tf.executing_eagerly():

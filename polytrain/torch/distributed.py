@@ -1,14 +1,16 @@
 """`Distributed`: the own-loop API over the Trainer's PyTorch backends (a second client of the same objects).
 
 The backend is made, set up and torn down exactly as the Trainer does it (`registry.create_backend`, its
-``setup``/``teardown``); a script's model and optimizer go through the backend's ``wrap``; ``accumulate``
-runs the non-final micro-steps under the backend's ``no_sync``; ``backward`` is the backend's (its gradient
-sync after the last micro-step for horovod and mpi, DDP's and FSDP's hooks), through the fp16 scaler when
-there is one; the returned optimizer steps through the backend's ``optimizer_step`` once per accumulation
-window. Gradients are averaged over the ranks, as one process would average over the whole batch.
-
-DeepSpeed: the engine's own accumulation boundary (``no_sync``), backward and step; it clips inside its step at
-the spec's ``loop.grad_clip_norm``. Checkpoints (`save`/`load`) are the Trainer's (`polytrain.torch.checkpoints`).
+``setup``/``teardown``), and used through the same contract (`polytrain.adapters.torch.contract`); the registry
+says which backends the own loop drives (``own_loop``). A script's model and optimizer go through the backend's
+``wrap``; ``accumulate`` runs the non-final micro-steps under the backend's ``no_sync`` (DeepSpeed marks its
+engine's accumulation boundary there); ``backward`` is the backend's (its gradient sync after the last micro-step
+for horovod and mpi, DDP's and FSDP's hooks). Precision is the Trainer's component
+(`polytrain.adapters.torch.precision`): the forward under autocast, the fp16 loss scaler in ``backward``,
+unscale → clip in ``clip_grad_norm_``, the scaled step in the returned optimizer's ``step``, once per accumulation
+window. Gradients are averaged over the ranks, as one process would average over the whole batch. A backend that
+clips inside its step (``clips_in_step``: DeepSpeed) clips at the spec's ``loop.grad_clip_norm``.
+Checkpoints (`save`/`load`) are the Trainer's (`polytrain.torch.checkpoints`).
 
 Tensor parallel (``parallel={"tensor": T}``, ``ddp`` or ``fsdp`` the data dimension): the Trainer's layout backend
 splits the model in ``setup`` (`polytrain.torch.layouts`); the ranks of a tensor group read the same shard, and
@@ -26,17 +28,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from polytrain import checkpoint, registry, validation
+from polytrain import registry, validation
+from polytrain.adapters.torch.contract import TorchBackendContract
+from polytrain.adapters.torch.precision import AUTOCAST_DTYPES, Precision, autocast
+from polytrain.checkpoint import store as checkpoint
 from polytrain.environments import detect_world
-from polytrain.loop_session import LoopSession
-from polytrain.loop_watch import LoopWatch
+from polytrain.loop.checkpoints import LoopState
+from polytrain.loop.session import LoopSession
+from polytrain.loop.watch import LoopWatch
 from polytrain.torch.errors import OwnLoopError
 from polytrain.torch.loaders import Loading, gather, sharded
-from polytrain.torch.precision import autocast_forward
 from polytrain.world import World
-
-#: backends whose own hooks a hand-written loop can drive as it is (the others come with issue 28)
-SUPPORTED = ("local", "ddp", "fsdp", "deepspeed", "horovod", "mpi")
 
 
 class Distributed(LoopSession):
@@ -64,7 +66,7 @@ class Distributed(LoopSession):
     @classmethod
     def from_spec(cls, path: str | Path, world: World | None = None) -> Distributed:
         """The backend, precision, accumulation and options of a spec file (the fields the Trainer reads)."""
-        from polytrain.spec_files import load_raw
+        from polytrain.spec.files import load_raw
         from polytrain.torch.layouts import loop_fields
 
         self = cls.__new__(cls)
@@ -88,20 +90,19 @@ class Distributed(LoopSession):
 
         check_loop_layout(self.spec)
         self.world = world or detect_world()
-        name = registry.resolve_backend_name(self.spec, self.world)
-        if name not in SUPPORTED:
-            raise OwnLoopError(f"backend: {name!r} is not in the own-loop API yet (it takes {', '.join(SUPPORTED)})")
+        name, driven = registry.resolve_backend_name(self.spec, self.world), registry.own_loop_backends("torch")
+        if name not in driven:
+            raise OwnLoopError(f"backend: {name!r} is not in the own-loop API yet (it takes {', '.join(driven)})")
         self._watch = LoopWatch(self.world.rank, self.world.size)  # stall warnings, the lost rank named
-        self.backend = registry.create_backend(self.spec, self.world, activity=self._watch.activity)
+        backend = registry.create_backend(self.spec, self.world, activity=self._watch.activity)
+        self.backend: TorchBackendContract = backend  # type: ignore[assignment]  # a torch row's class
         self.accum = self.spec.loop.grad_accum_steps
-        self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision)
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._scaler: Any = None
+        self._precision: Precision | None = None  # made in `setup`, with the model
         self._micro = 0
         self._loading = Loading()
         self._sync = True
-        self._unscaled = False
         self._inside = False
         self._ended = False
         self._owner = checkpoint.Owner(checkpoint.new_run_id())  # whose checkpoints `save` may replace and prune
@@ -133,13 +134,11 @@ class Distributed(LoopSession):
         from polytrain.adapters.torch.framework import live_model
 
         model = live_model(model, self.backend).to(self.device)  # rank 0's weights on every rank, as fit does
+        precision = Precision(self.spec, self.backend)
         wrapped, inner = self.backend.wrap(model, optimizer)
-        if self._autocast_dtype is not None:  # as Fabric and Accelerate do: the forward in the precision asked for
-            # DeepSpeed's engine keeps bf16/fp16 weights and turns CUDA autocast off inside: cast float inputs too
-            wrapped.forward = autocast_forward(wrapped.forward, self.device.type, self._autocast_dtype,
-                                                cast_inputs=self.backend.name == "deepspeed")
-        self._model, self._optimizer = wrapped, inner
-        self._scaler = self.backend.grad_scaler()
+        if precision.dtype is not None:  # the forward in the precision asked for, its outputs in fp32
+            wrapped.forward = precision.forward(wrapped.forward)
+        self._model, self._optimizer, self._precision = wrapped, inner, precision
         if self.spec.parallel.model_parallel:  # a tensor group draws the same dropout masks, as in the Trainer
             torch.manual_seed(self.spec.seed + self.backend.data_shard.index)
         return wrapped, _Optimizer(self, inner)
@@ -147,9 +146,7 @@ class Distributed(LoopSession):
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast (bf16/fp16; nothing for fp32), for work outside the model's forward, which
         `setup` already runs under it (its floating outputs come back as fp32)."""
-        if self._autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+        return autocast(AUTOCAST_DTYPES.get(self.spec.precision), self.device.type)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain module inside what `setup` returned."""
@@ -189,8 +186,7 @@ class Distributed(LoopSession):
                 raise OwnLoopError(f"backward: grad_accum_steps is {self.accum}; run each micro-step inside "
                                    "`with dist.accumulate(model):`")
             loss = loss / self.accum
-        if self._scaler is not None:
-            loss = self._scaler.scale(loss)
+        loss = self._precision.scale(loss)
         with self._watch.during("backward", self._updates + 1):
             self.backend.backward(loss)
 
@@ -198,20 +194,17 @@ class Distributed(LoopSession):
         """Clip the averaged (and, for fp16, unscaled) gradients; the total norm before clipping. Call it where
         the optimizer steps (a no-op returning None on the other micro-steps of a window)."""
         self._needs_setup("clip_grad_norm_")
-        if self.backend.name == "deepspeed":  # the engine clips in its step, at the norm its config was built with
+        if self.backend.clips_in_step:  # it clips in its step, at the norm it was built with
             configured = self.spec.loop.grad_clip_norm
             if configured is None or abs(configured - max_norm) > 1e-12 * max(1.0, max_norm):
-                raise OwnLoopError(f"clip_grad_norm_: deepspeed clips inside its step, at the norm given when the "
-                                   f"engine is built (loop.grad_clip_norm: {configured}); pass "
+                raise OwnLoopError(f"clip_grad_norm_: {self.backend.name} clips inside its step, at the norm given "
+                                   f"when the engine is built (loop.grad_clip_norm: {configured}); pass "
                                    f"spec={{'loop': {{'grad_clip_norm': {max_norm}}}}} to Distributed")
             return None
         if not self._sync:
             return None
         with self._watch.during("gradient clipping", self._updates + 1):  # unscaling and a sharded norm: collectives
-            if self._scaler is not None and not self._unscaled:
-                self._scaler.unscale_(self._optimizer)
-                self._unscaled = True
-            return self.backend.clip_grad_norm(model, max_norm)
+            return self._precision.clip(model, self._optimizer, max_norm)
 
     # ------------------------------------------------------------------ data
     def setup_dataloaders(self, *loaders: torch.utils.data.DataLoader) -> Any:
@@ -249,7 +242,7 @@ class Distributed(LoopSession):
         from polytrain.torch.checkpoints import save
 
         with self._watch.during("the checkpoint save"):
-            return save(self, path, state, keep_last)
+            return save(self._loop_state(), path, state, keep_last)
 
     def load(self, path: str | Path, state: Mapping[str, Any]) -> dict[str, Any]:
         """Put a checkpoint (a loop's or the Trainer's; a step directory or the root holding them) into
@@ -258,11 +251,21 @@ class Distributed(LoopSession):
         from polytrain.torch.checkpoints import load
 
         with self._watch.during("the checkpoint load"):
-            return load(self, path, state)
+            return self._resumed(load(self._loop_state(), path, state))
+
+    def _loop_state(self) -> LoopState:
+        """What `save` and `load` work on (`polytrain.loop.checkpoints.LoopState`)."""
+        return LoopState(self.backend, self.world, self.spec, self._model, self._optimizer, self._owner,
+                         self.tracker_ids(), scaler=self._scaler, loading=self._loading)
 
     # ------------------------------------------------------------------ lifetime
+    @property
+    def _scaler(self) -> Any:
+        """fp16's loss scaler (None before `setup`, without one, or where the backend owns it): the precision's."""
+        return None if self._precision is None else self._precision.scaler
+
     def _release(self) -> None:
-        self._model = self._optimizer = None
+        self._model = self._optimizer = self._precision = None
         self._watch.close()
 
     def _needs_setup(self, verb: str) -> None:
@@ -273,11 +276,9 @@ class Distributed(LoopSession):
     def _step(self, optimizer: torch.optim.Optimizer) -> bool | None:
         if not self._sync:
             return None
-        self._unscaled = False
         self._updates += 1
         with self._watch.during("the optimizer step", self._updates):
-            applied = self.backend.optimizer_step(optimizer) if self._scaler is None else \
-                self.backend.scaled_optimizer_step(optimizer, self._scaler)
+            applied = self._precision.step(optimizer)
         self._watch.activity.set(f"the script's own code after step {self._updates}")
         return applied
 

@@ -50,7 +50,7 @@ def launch(main: Callable[..., Any], args: tuple[Any, ...], np: int) -> None:
     if np == 1:
         main(*args)
         return
-    from polytrain.net import port_to_hold
+    from polytrain.comm.net import port_to_hold
 
     port = port_to_hold()
     context = multiprocessing.get_context("spawn")

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from polytrain.spec.user_code import LIVE_PREFIX
 from polytrain.torch.errors import OwnLoopError
-from polytrain.user_code import LIVE_PREFIX
 
 PIPELINE = ("parallel.pipeline: pipeline parallel needs a schedule that runs the forward and backward passes "
             "itself, so it stays with the Trainer; use polytrain.fit or a spec (tensor parallel works here)")

@@ -34,7 +34,7 @@ import pytest
 from jobs import SPEC, launch, sets
 from procs import check, read_metrics, train
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 pytest.importorskip("ray.train")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]

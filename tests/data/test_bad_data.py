@@ -12,7 +12,7 @@ import pytest
 
 from polytrain.data.source import Data
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

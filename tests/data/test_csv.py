@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import csv
 import io
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from specs import data_spec
 
 from polytrain.data.csv import CsvSource, open_csv, records
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
 
 
 def write(path: Path, ids: range, newline: str = "\n", float_labels: bool = False) -> Path:
@@ -28,9 +29,7 @@ def write(path: Path, ids: range, newline: str = "\n", float_labels: bool = Fals
     return path
 
 
-def spec(path: Path, **fields: object) -> DataSpec:
-    base: dict[str, object] = {"name": "csv", "path": str(path), "features": ("id", "a", "b"), "label": "label"}
-    return DataSpec(**{**base, **fields})  # type: ignore[arg-type]
+spec = partial(data_spec, "csv", features=("id", "a", "b"), label="label")
 
 
 @pytest.mark.parametrize("newline", ["\n", "\r\n"])

@@ -18,7 +18,7 @@ pytest.importorskip("PIL.Image")
 
 from polytrain.data.images import open_images  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.spec import DataSpec  # noqa: E402
+from polytrain.spec.tables import DataSpec  # noqa: E402
 from polytrain.validation import from_dict  # noqa: E402
 from tests.data.test_images import write_tree  # noqa: E402
 
@@ -119,7 +119,7 @@ WORKER = """
 import json, os, signal, sys
 import numpy as np
 from polytrain.data.images import open_images
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 source = open_images(DataSpec(name="images", path=sys.argv[1], val_fraction=0.0, workers=2), seed=0).train
 source.read(np.arange(4))
 print(json.dumps(sorted(source._pool.pids())), flush=True)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
+from specs import data_spec
 
 Image = pytest.importorskip("PIL.Image")
 
 from polytrain.data.images import ImageFolderSource, make_augment, open_images  # noqa: E402
 from polytrain.data.prefetch import sample_rngs  # noqa: E402
-from polytrain.spec import AugmentSpec, DataSpec  # noqa: E402
+from polytrain.spec.tables import AugmentSpec  # noqa: E402
 
 H, W = 5, 6
 
@@ -39,8 +41,7 @@ def write_tree(root: Path, counts: dict[str, int], channels: int = 3, first: int
     return written
 
 
-def spec(path: Path, **fields: object) -> DataSpec:
-    return DataSpec(**{"name": "images", "path": str(path), **fields})  # type: ignore[arg-type]
+spec = partial(data_spec, "images")
 
 
 def ids(x: np.ndarray, y: np.ndarray, channels: int = 3) -> np.ndarray:
@@ -92,6 +93,7 @@ def test_val_path_tree_uses_the_training_classes(tmp_path: Path) -> None:
     assert (len(split.train), len(split.val)) == (6, 3)
 
 
+@pytest.mark.slow
 def test_exactly_once_across_ranks_and_micro_steps(tmp_path: Path, exactly_once) -> None:
     write_tree(tmp_path / "tree", {"a": 13, "b": 9, "c": 11}, channels=1)
     data = open_images(spec(tmp_path / "tree", channels=1), seed=0)

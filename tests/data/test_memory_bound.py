@@ -42,7 +42,7 @@ from collections import deque
 import numpy as np
 
 from polytrain.data.plan import epoch_plan
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 
 kind, path = sys.argv[1], sys.argv[2]
 
@@ -110,6 +110,7 @@ def read_epoch(kind: str, path: Path) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("kind", ["parquet", "token_file"])
+@pytest.mark.slow
 def test_an_epoch_reads_a_file_larger_than_its_memory(big_files: dict[str, Path], kind: str) -> None:
     size_mb = big_files[kind].stat().st_size / 2**20
     report = read_epoch(kind, big_files[kind])
@@ -125,7 +126,7 @@ import json, sys, time
 
 
 from polytrain import validation
-from polytrain.trainer import Trainer
+from polytrain.train.trainer import Trainer
 from polytrain.world import World
 
 path, out = sys.argv[1], sys.argv[2]
@@ -147,6 +148,7 @@ print(json.dumps({"baseline_mb": baseline, "peak_mb": status("VmHWM"), "steps": 
 """
 
 
+@pytest.mark.slow
 def test_training_on_a_file_larger_than_its_memory(big_files: dict[str, Path], tmp_path: Path) -> None:
     """The whole Trainer (prefetcher, model, optimizer, evaluation) over an epoch of the 400 MiB Parquet file,
     after a warm-up run on digits has paid every import: its resident memory rises by less than half the file

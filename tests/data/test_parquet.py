@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
+from specs import data_spec
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from polytrain.data.parquet import ParquetSource, open_parquet  # noqa: E402
 from polytrain.data.source import Subset  # noqa: E402
-from polytrain.spec import DataSpec  # noqa: E402
 
 
 def write(path: Path, ids: np.ndarray, row_group_size: int = 16, list_type: str = "fixed") -> Path:
@@ -32,10 +33,7 @@ def write(path: Path, ids: np.ndarray, row_group_size: int = 16, list_type: str 
     return path
 
 
-def spec(path: Path, **fields: object) -> DataSpec:
-    base: dict[str, object] = {"name": "parquet", "path": str(path), "features": ("id", "half", "mod"),
-                               "label": "label", "shuffle_window": 2}
-    return DataSpec(**{**base, **fields})  # type: ignore[arg-type]
+spec = partial(data_spec, "parquet", features=("id", "half", "mod"), label="label", shuffle_window=2)
 
 
 @pytest.fixture

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
+from specs import data_spec
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -15,7 +17,7 @@ Image = pytest.importorskip("PIL.Image")
 from polytrain.data.parquet_images import ParquetImageSource, open_parquet_data  # noqa: E402
 from polytrain.data.prefetch import sample_rngs  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.spec import AugmentSpec, DataSpec  # noqa: E402
+from polytrain.spec.tables import AugmentSpec  # noqa: E402
 from tests.data.test_images import H, W, ids, pixels  # noqa: E402
 
 STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -37,9 +39,7 @@ def write(path: Path, samples: range, *, hf: bool = True, size: tuple[int, int] 
     return path
 
 
-def spec(path: Path, **fields: object) -> DataSpec:
-    return DataSpec(**{"name": "parquet", "path": str(path), "features": ("image",), "label": "label",  # type: ignore[arg-type]
-                       "val_fraction": 0.0, **fields})
+spec = partial(data_spec, "parquet", features=("image",), label="label", val_fraction=0.0)
 
 
 @pytest.mark.parametrize("hf", [True, False])

@@ -14,7 +14,7 @@ import pytest
 from polytrain.data.plan import epoch_plan
 from polytrain.data.prefetch import Prefetcher, Transform
 from polytrain.data.source import ArraySource, Data, Source
-from polytrain.spec import AugmentSpec, DataSpec
+from polytrain.spec.tables import AugmentSpec, DataSpec
 
 Image = pytest.importorskip("PIL.Image")
 

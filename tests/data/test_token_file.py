@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
+from specs import data_spec
 
 from polytrain.data.token_file import TokenFileSource, open_token_file
-from polytrain.spec import DataSpec
 
 
 def write(path: Path, tokens: np.ndarray) -> Path:
@@ -16,8 +17,7 @@ def write(path: Path, tokens: np.ndarray) -> Path:
     return path
 
 
-def spec(path: Path, **fields: object) -> DataSpec:
-    return DataSpec(**{"name": "token_file", "path": str(path), "seq_len": 7, **fields})  # type: ignore[arg-type]
+spec = partial(data_spec, "token_file", seq_len=7)
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from specs import data_spec
 
 from polytrain.data.user import dataset_source, open_user_dataset
 from polytrain.errors import SpecError
-from polytrain.spec import DataSpec
+from polytrain.spec.tables import DataSpec
 from polytrain.validation import from_dict
 
 FACTORIES = '''
@@ -147,7 +148,7 @@ def factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def spec(factory: str, **fields: object) -> DataSpec:
-    return DataSpec(**{"name": "dataset", "factory": factory, **fields})  # type: ignore[arg-type]
+    return data_spec("dataset", factory=factory, **fields)
 
 
 def test_numpy_pairs(factories: str) -> None:

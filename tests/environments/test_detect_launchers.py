@@ -67,7 +67,7 @@ def test_detect_world_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_precedence_order_is_explicit() -> None:
     assert [cls.launcher for cls in PRECEDENCE] == [
-        "polytrain-local", "ray", "torchrun", "deepspeed", "horovodrun-gloo", "horovodrun-mpi", "lsf",
+        "polytrain-elastic", "polytrain-local", "ray", "torchrun", "deepspeed", "horovodrun-gloo", "horovodrun-mpi", "lsf",
         "openmpi", "mvapich", "intelmpi", "mpich", "slurm", "env", "single"]
     assert all(by_launcher(cls.launcher) is cls for cls in PRECEDENCE)
     assert by_launcher("nope") is None

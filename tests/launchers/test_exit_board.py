@@ -135,6 +135,7 @@ def test_the_death_watch_wakes_when_a_worker_dies_not_at_its_next_poll(tmp_path)
     (["info", "--json"], 0, None),
     (["train", "no-such-spec.yaml"], 2, "no-such-spec.yaml"),
 ])
+@pytest.mark.slow
 def test_the_cli_records_how_a_rank_ended(tmp_path, argv, code, reason):
     env = {**os.environ, BOARD_VARIABLE: str(tmp_path), "SLURM_PROCID": "5"}
     env.pop("RANK", None)

@@ -11,7 +11,9 @@ from polytrain.launchers.exit_board import RankRecord
 from polytrain.launchers.failure_report import (
     RankFailure,
     choose,
+    launch_exit_code,
     launcher_failure_line,
+    report_launcher_failure,
     report_worker_failure,
 )
 from polytrain.launchers.mpirun import parse_hydra, parse_openmpi
@@ -235,3 +237,18 @@ def test_local_starter_line_prefers_a_rank_that_did_not_only_lose_its_peer(capsy
     assert capsys.readouterr().err == "polytrain launch: rank 1 exited with code 3; stopping the other 1 worker(s)\n"
     report_worker_failure([None, -9, None], {})
     assert capsys.readouterr().err == "polytrain launch: rank 1 was killed by SIGKILL; stopping the other 2 worker(s)\n"
+
+
+def test_bad_input_on_the_rank_named_is_the_launchs_exit_code_whatever_the_launcher_says():
+    """torchrun exits 1 for any failed worker; a rank that named bad input (exit 2) makes the launch exit 2, as the
+    local starter and mpirun do by passing the worker's code on. Other codes and signals stay the launcher's."""
+    assert launch_exit_code(1, RankFailure(0, "h", code=2, reason="model.name: cannot import 'nope'")) == 2
+    assert launch_exit_code(1, RankFailure(0, "h", code=1, reason="RuntimeError: x")) == 1
+    assert launch_exit_code(1, RankFailure(0, "h", code=3)) == 1
+    assert launch_exit_code(1, RankFailure(1, "h", signal=KILL)) == 1
+    assert launch_exit_code(1, None) == 1
+    # from the exit board (a rank of this host), and from torchrun's own output alone (a rank on another host)
+    records = {0: record(0, end=1.0, code=2, reason="model.name: cannot import 'nope'"), 1: record(1, end=1.0, code=2)}
+    assert report_launcher_failure("torchrun", 1, records, "", parsers=(parse_torchrun,)) == 2
+    output = "E1125 04:25:11.061000 14690 api.py:1002] failed (exitcode: 2) local_rank: 0 (pid: 14703) of binary: py"
+    assert report_launcher_failure("torchrun", 1, {}, output, parsers=(parse_torchrun,)) == 2

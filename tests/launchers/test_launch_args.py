@@ -131,3 +131,21 @@ def test_launch_from_args_dry_run_prints_and_starts_nothing(capsys):
     out = capsys.readouterr().out
     assert out.startswith("MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 ")  # the values: in mpirun's environment
     assert "-np 2" in out and "-x MASTER_PORT " in out and out.rstrip().endswith(f"{PY} t.py")
+
+
+@pytest.mark.parametrize("launcher", [["--launcher", "local"], ["--launcher", "torchrun"],
+                                      ["--launcher", "mpirun", "--mpi-flavour", "openmpi"],
+                                      ["--launcher", "mpirun", "--mpi-flavour", "hydra"]])
+def test_a_dry_run_shows_a_forwarded_variable_by_name_only(launcher, capsys, monkeypatch):
+    """``-x NAME`` keeps NAME's value (a token) off every command line, the dry run's printed one too (issue 48
+    item 8): the line names it and passes the pasting shell's value on; ``-x NAME=VALUE`` (a value the user typed
+    on the command line already) is printed as it was given."""
+    monkeypatch.setenv("POLYTRAIN_TEST_SECRET", "s3cr3t-token")
+    code = launch_from_args(parse("--dry-run", *launcher, "-np", "2", "--master-port", "29999",
+                                  "-x", "POLYTRAIN_TEST_SECRET", "-x", "PLAIN=shown", "t.py"))
+    out = capsys.readouterr().out
+    assert code == 0 and "s3cr3t-token" not in out, out
+    lines = [line for line in out.splitlines() if not line.startswith("#")]
+    assert lines and all('POLYTRAIN_TEST_SECRET="$POLYTRAIN_TEST_SECRET" ' in line and "PLAIN=shown " in line
+                         for line in lines), out
+    assert len(lines) == (2 if launcher[1] == "local" else 1)  # local: one line per worker

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from polytrain import cli, info
+from polytrain import cli
+from polytrain.commands import info as info
 from polytrain.launchers import LaunchRequest, base, dispatch, registry
 from polytrain.launchers.base import BatchScript, CommandLauncher
 from polytrain.launchers.failure_report import RankFailure

@@ -29,6 +29,7 @@ def test_failed_ranks_are_named_each_once_with_their_node_and_exit_code() -> Non
         "rank 1 on 10.0.0.2: python -m polytrain.cli train ... exited with code 1")
 
 
+@pytest.mark.slow
 def test_max_restarts_also_bounds_the_retries_of_a_group_that_cannot_start() -> None:
     pytest.importorskip("ray.train")
     config = ray_launcher._failures(2)

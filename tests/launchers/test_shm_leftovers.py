@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from polytrain.comm.mpi_singleton import keep_singletons_off_shared_memory
 from polytrain.launchers import shm_leftovers
-from polytrain.mpi_singleton import keep_singletons_off_shared_memory
 
 
 def test_only_a_process_no_launcher_started_is_kept_off_shared_memory() -> None:
@@ -60,9 +60,10 @@ def _singleton_leaves(code: str) -> set[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(os.geteuid() != 0, reason="a private /dev/shm needs root (unshare --mount)")
+@pytest.mark.slow
 def test_a_singleton_polytrain_process_leaves_no_segment() -> None:
     """Open MPI 5 leaves a singleton's 16 MiB segment behind; polytrain's MPI paths turn that transport off."""
     pytest.importorskip("mpi4py")
     if not _singleton_leaves(SINGLETON):
         pytest.skip("this MPI leaves no segment from a singleton: nothing to prevent")
-    assert _singleton_leaves("import polytrain.mpi_transport; " + SINGLETON) == set()
+    assert _singleton_leaves("import polytrain.comm.mpi_transport; " + SINGLETON) == set()

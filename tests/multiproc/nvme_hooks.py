@@ -70,3 +70,24 @@ class Fill(Files):
                         out.write(chunk)
                 except OSError:
                     pass  # full
+
+
+class Rival(Files):
+    """Rank 0, as training starts: runs a second job ($NVME_RIVAL: ``{"cmd": [...], "env": {...}}``, the test's) with
+    this job's output and nvme_path, and writes to ``<output>/rival.json`` its exit code and stderr and every file
+    under nvme_path before and after it."""
+
+    def on_train_start(self, run: RunInfo) -> None:
+        super().on_train_start(run)
+        if run.rank != 0:
+            return
+        root = Path(str(run.spec.deepspeed.nvme_path))
+
+        def listing() -> dict[str, int]:
+            return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+        rival = json.loads(os.environ["NVME_RIVAL"])
+        before = listing()
+        done = subprocess.run(rival["cmd"], env=rival["env"], capture_output=True, text=True, timeout=400)
+        (run.output / "rival.json").write_text(json.dumps({"code": done.returncode, "stderr": done.stderr,
+                                                           "before": before, "after": listing()}))

@@ -22,8 +22,8 @@ import numpy as np
 import tensorflow as tf
 
 from polytrain.adapters.tensorflow.models import MLP
+from polytrain.spec.zoo import model_params
 from polytrain.tensorflow import Distributed, OwnLoopError
-from polytrain.zoo import model_params
 
 GLOBAL_BATCH, EPOCHS, FEATURES, CLASSES = 16, 2, 8, 3
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -39,7 +39,7 @@ VOCAB, LENGTH = 32, 8
 def transformer_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     from polytrain.adapters.torch.transformer import build_transformer
     from polytrain.data.source import DatasetInfo
-    from polytrain.zoo import TransformerParams
+    from polytrain.spec.zoo import TransformerParams
 
     gen = torch.Generator().manual_seed(0)
     starts = torch.randint(0, VOCAB, (SAMPLES + EVAL, 1), generator=gen)

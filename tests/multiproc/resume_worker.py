@@ -20,7 +20,7 @@ import sys
 
 from polytrain import validation
 from polytrain.environments import detect_world
-from polytrain.trainer import Trainer
+from polytrain.train.trainer import Trainer
 
 
 def main(plan_json: str) -> None:

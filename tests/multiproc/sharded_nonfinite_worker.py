@@ -28,11 +28,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from polytrain import validation
-from polytrain.callbacks import RunInfo
-from polytrain.checkpoint import state_digest
+from polytrain.checkpoint.store import state_digest
 from polytrain.environments import detect_world
 from polytrain.errors import TrainingFailure
-from polytrain.trainer import Trainer
+from polytrain.train.callbacks import RunInfo
+from polytrain.train.trainer import Trainer
 
 
 class _InfInLastGradElement(torch.autograd.Function):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from procs import check, read_metrics, train
 
-from polytrain.checkpoint import complete_checkpoints, load_checkpoint, read_model
+from polytrain.checkpoint.store import complete_checkpoints, load_checkpoint, read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 

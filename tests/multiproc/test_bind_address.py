@@ -126,7 +126,7 @@ def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
 def test_a_master_named_by_host_name_on_one_host_binds_what_the_name_resolves_to(tmp_path: Path) -> None:
     """MASTER_ADDR = this host's name (Debian resolves it to 127.0.1.1, others to their address): rank 0's
     store listens where the name resolves, as every rank resolves it alike, not on every interface."""
-    from polytrain.net import addresses_of
+    from polytrain.comm.net import addresses_of
 
     port = free_port()
     name = socket.gethostname()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from procs import BIN, check, free_port, run
 
-from polytrain.checkpoint import load_checkpoint, read_model
+from polytrain.checkpoint.store import load_checkpoint, read_model
 
 pytest.importorskip("torch")
 pytest.importorskip("deepspeed")

@@ -24,10 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, step_losses, train
+from procs import trained_run
 from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
-
-from polytrain.checkpoint import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -46,13 +44,11 @@ pytestmark.append(pytest.mark.skipif(shutil.which("g++") is None and shutil.whic
 
 def trained(out: Path, layout: str, changes: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     nproc, backend = LAYOUTS[layout]
-    result = check(train(out, [*LM, *backend, *changes], nproc=nproc, timeout=500))
-    assert not result.left_behind, result.left_behind
-    losses = step_losses(out)
-    state, manifest = read_model(out)
-    assert len(losses) == STEPS and manifest["world_size"] == nproc
-    assert manifest["backend"] == next(a.partition("=")[2] for a in backend if a.startswith("backend="))
-    return losses, state
+    run = trained_run(out, [*LM, *backend, *changes], nproc=nproc, timeout=500)
+    assert not run.left_behind, run.left_behind
+    assert len(run.losses) == STEPS and run.manifest["world_size"] == nproc
+    assert run.manifest["backend"] == next(a.partition("=")[2] for a in backend if a.startswith("backend="))
+    return run.losses, run.state
 
 
 def differences(run: tuple, ref: tuple) -> tuple[float, float]:

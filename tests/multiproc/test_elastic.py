@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from procs import BIN, check, free_port, loopback_env, read_metrics, run
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 

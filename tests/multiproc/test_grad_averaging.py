@@ -6,9 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, step_losses, train
-
-from polytrain.checkpoint import read_model
+from procs import trained_run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -19,10 +17,9 @@ COMMON = ["data.name=digits", "optimizer.name=sgd", "optimizer.lr=0.1", "optimiz
 
 def trained(out: Path, *, nproc: int, batch: int, accum: int, extra: list[str] = ()) -> tuple[np.ndarray, dict]:
     sets = [*COMMON, f"data.batch_size={batch}", f"loop.grad_accum_steps={accum}", *extra]
-    check(train(out, sets, nproc=nproc, quiet=False))
-    state, manifest = read_model(out)
-    assert len(set(manifest["rank_state_digests"])) == 1
-    return step_losses(out), state
+    run = trained_run(out, sets, nproc=nproc, quiet=False)
+    assert len(set(run.manifest["rank_state_digests"])) == 1
+    return run.losses, run.state
 
 
 @pytest.mark.parametrize("extra", [[], ["loop.grad_clip_norm=0.5", "optimizer.name=adam", "optimizer.lr=0.01",

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, step_losses, train
+from procs import check, one_model_on_every_rank, step_losses, train, trained_run
 from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
 
-from polytrain.checkpoint import read_model, step_dir_name
+from polytrain.checkpoint.store import read_model, step_dir_name
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
@@ -51,16 +51,9 @@ LAYOUTS = {
 
 
 def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict, dict]:
-    result = check(train(out, [*LM, *changes], nproc=nproc, resume=resume, timeout=600))
-    assert not result.left_behind, result.left_behind
-    losses = step_losses(out)
-    state, manifest = read_model(out)
-    assert manifest["world_size"] == nproc
-    assert len(set(manifest["rank_state_digests"])) == 1, manifest["rank_state_digests"]  # every rank: one model
-    peaks = [rank["host"] for rank in manifest["rank_peak_memory"]]  # each rank's, for a regression to show
-    assert len(peaks) == nproc and min(peaks) > 0
-    print(f"\n{' '.join(changes)} × {nproc}: peak resident MiB per rank {[round(p / 2**20) for p in peaks]}")
-    return losses, state, manifest
+    run = trained_run(out, [*LM, *changes], nproc=nproc, resume=resume, timeout=600)
+    one_model_on_every_rank(run, nproc, " ".join(changes))
+    return run.losses, run.state, run.manifest
 
 
 def differences(losses: np.ndarray, state: dict, ref_losses: np.ndarray, ref_state: dict) -> tuple[float, float]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from procs import check, command, job_env, read_metrics, run, train
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 from polytrain.horovod.common import _import_error
 
 pytest.importorskip("torch")
@@ -94,17 +94,21 @@ MORE_LAUNCHERS = {  # case: (backend, launcher as procs.command names it, enviro
                            "horovod (Horovod implementation)"),
     "deepspeed-launcher": ("deepspeed-2", "launch-deepspeed", {}, "deepspeed", "deepspeed"),
     "ddp-polytrain-launch": ("ddp", "launch-torchrun", {}, "torchrun", "ddp"),
-    "fsdp-ray": ("fsdp", "launch-ray", {}, "ray", "fsdp"),
+    "fsdp-ray": ("fsdp", "launch-ray", {}, "ray", "fsdp"),  # run by test_own_loop_ray.py (Ray's test group)
 }
 
 
 @pytest.mark.parametrize("case", [pytest.param("horovod-horovodrun", marks=needs_horovod), "deepspeed-launcher",
-                                  "ddp-polytrain-launch", "fsdp-ray"])
+                                  "ddp-polytrain-launch"])
 def test_two_ranks_equal_one_process_under_more_launchers(one_process: dict, tmp_path: Path, case: str) -> None:
     """The same loop under real Horovod's ``horovodrun --gloo`` (backend horovod on real Horovod), DeepSpeed's
-    own launcher (through ``polytrain launch --launcher deepspeed``), ``polytrain launch --launcher torchrun``
-    (which starts a script as it starts a spec) and Ray Train's workers on a local Ray (``--launcher ray``): each
-    names its launcher to the ranks, and equals one process."""
+    own launcher (through ``polytrain launch --launcher deepspeed``) and ``polytrain launch --launcher torchrun``
+    (which starts a script as it starts a spec); Ray Train's workers in test_own_loop_ray.py: each names its
+    launcher to the ranks, and equals one process."""
+    run_under_launcher(one_process, tmp_path, case)
+
+
+def run_under_launcher(one_process: dict, tmp_path: Path, case: str) -> None:
     backend, launcher, env, world_launcher, label = MORE_LAUNCHERS[case]
     if backend.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
@@ -236,7 +240,7 @@ def test_the_trainer_and_a_loop_resume_each_others_checkpoints(tmp_path: Path) -
 
 
 def read_model_dir(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    from polytrain.checkpoint import load_checkpoint
+    from polytrain.checkpoint.store import load_checkpoint
 
     manifest, tensors = load_checkpoint(path)
     return tensors["model"], manifest

@@ -1,4 +1,4 @@
-"""Stall warnings and the failure report in a hand-written loop (`polytrain.loop_watch`), as in the Trainer
+"""Stall warnings and the failure report in a hand-written loop (`polytrain.loop.watch`), as in the Trainer
 (tests/multiproc/test_peer_failures.py): the waiting rank names the rank that is behind and where it is; when a
 peer dies, the survivor's next collective fails with one line naming it."""
 

@@ -178,7 +178,7 @@ def test_an_exception_on_one_rank_is_reported_once_with_its_traceback(tmp_path: 
     # the exception's own line, once (the launcher's summary line may quote it too)
     raised = re.findall(r"^(?:\[rank1\]: )?RuntimeError: injected failure on rank 1$", err, re.MULTILINE)
     assert len(raised) == 1, err[-4000:]
-    assert 'polytrain/trainer.py", line' in err, err[-4000:]  # the whole traceback, through the trainer
+    assert 'polytrain/train/trainer.py", line' in err, err[-4000:]  # the whole traceback, through the trainer
     rank0_traceback = [line for line in err.splitlines() if line.startswith("[rank0]:")]
     assert not rank0_traceback, err[-4000:]
     frames = err.count('faulty_model.py", line')

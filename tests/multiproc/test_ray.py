@@ -17,7 +17,7 @@ import pytest
 from procs import REPO, check, loopback_env, read_metrics, run, train
 from specs import PARITY_TRAINING, lm, merged
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 pytest.importorskip("ray.train")

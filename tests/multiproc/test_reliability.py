@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from procs import check, free_port, loopback_env, read_metrics, run
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 

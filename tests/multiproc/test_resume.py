@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from procs import check, losses_by_step, read_metrics, train
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
@@ -109,7 +109,7 @@ def train_seen(out: Path, nproc: int, sets: list[str], resume: str | None = None
 
 def training_rows() -> dict[str, int]:
     from polytrain.data import load_dataset
-    from polytrain.spec import DataSpec, SyntheticSpec
+    from polytrain.spec.tables import DataSpec, SyntheticSpec
 
     data = load_dataset(DataSpec(name="synthetic", val_fraction=0.2,
                                  synthetic=SyntheticSpec(samples=201, features=6, classes=3)), seed=0)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from procs import check, command, job_env, losses_by_step, read_metrics, run, train
 
-from polytrain import checkpoint as ckpt
+from polytrain.checkpoint import store as ckpt
 
 pytest.importorskip("torch")
 

@@ -12,7 +12,7 @@ exact gradient is zero (an attention key bias) it turns 1e-10 rounding noise int
 Each run's ``model.safetensors`` (FSDP: gathered shards; ZeRO: the consolidated fp32
 master weights) must load into a plain single-process model that reproduces the run's
 validation accuracy; each ZeRO run also writes DeepSpeed's own checkpoint, which
-`polytrain.export` must turn into the same weights, bit for bit.
+`polytrain.checkpoint.export` must turn into the same weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, step_losses, train
+from procs import trained_run
 from specs import PARITY_TRAINING, as_sets, lm, merged
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -48,9 +48,8 @@ def trained(out: Path, changes: list[str], nproc: int,
             resume: Path | None = None) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
     """The LM job with ``changes``, on one process or ``nproc`` ranks under torchrun: per-step losses, weights,
     manifest."""
-    check(train(out, [*LM, *changes], nproc=nproc, resume=resume, timeout=400))
-    state, manifest = read_model(out)
-    return step_losses(out), state, manifest
+    run = trained_run(out, [*LM, *changes], nproc=nproc, resume=resume, timeout=400)
+    return run.losses, run.state, run.manifest
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,7 @@ def plain_model_accuracy(state: dict[str, np.ndarray], manifest: dict) -> float:
     from polytrain import validation
     from polytrain.adapters.torch.transformer import build_transformer
     from polytrain.data import load_dataset
-    from polytrain.zoo import model_params
+    from polytrain.spec.zoo import model_params
 
     spec = validation.from_dict(manifest["spec"])
     data = load_dataset(spec.data, spec.seed)
@@ -106,7 +105,7 @@ def test_two_ranks_match_local(name: str, reference: tuple, tmp_path: Path) -> N
         assert config["zero_optimization"]["stage"] == int(name[-1])
         assert (config["gradient_clipping"], config["gradient_accumulation_steps"]) == (0.5, 2)
         assert config["train_micro_batch_size_per_gpu"] == 8 and config["train_batch_size"] == 32
-        from polytrain.export import export_deepspeed
+        from polytrain.checkpoint.export import export_deepspeed
 
         exported = export_deepspeed(tmp_path / "deepspeed_checkpoint", tmp_path / "exported", trust=True)
         native, _ = read_model(exported.parent)

@@ -19,9 +19,12 @@ from procs import loopback_env, read_metrics, run
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 pytest.importorskip("ray.tune")
 
-SPEC = {"framework": "torch", "backend": "local", "loop": {"epochs": 2},
+SPEC = {"framework": "torch", "backend": "local", "loop": {"epochs": 3},  # 2 by --set: the trials get the sets
         "data": {"name": "synthetic", "batch_size": 12, "val_fraction": 0.2,
                  "synthetic": {"samples": 200, "features": 6, "classes": 3, "noise": 1.5}}}
+
+
+TOKEN_URI = "https://SECRET123@example.com/repo"  # a token as a URI's user-info (polytrain.observe.redact)
 
 
 def sweep(tmp_path: Path, *flags: str):
@@ -32,8 +35,12 @@ def sweep(tmp_path: Path, *flags: str):
 
 def test_a_four_trial_sweep_marks_the_best_and_reports_the_failed(tmp_path: Path) -> None:
     done = sweep(tmp_path, "--grid", "optimizer.lr=0.05,1.0e+30", "--grid", "data.batch_size=12,24",
-                 "--metric", "val_accuracy", "--mode", "max", "--scheduler", "asha")
+                 "--metric", "val_accuracy", "--mode", "max", "--scheduler", "asha",
+                 "--set", "loop.epochs=2", "--set", "logging.wandb.mode=disabled", "--set", f"logging.wandb.tags=[{TOKEN_URI}]")
     assert done.returncode == 0, done.stderr[-3000:]
+    # a --set value holding a credential reaches the trials, yet no file of the sweep holds it (Tune's params.json)
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file() and b"SECRET123" in p.read_bytes()]
+    assert "SECRET123" not in done.stdout + done.stderr
     rows = list(csv.DictReader((tmp_path / "out" / "sweep" / "sweep.csv").open()))
     assert sorted((r["optimizer.lr"], r["data.batch_size"]) for r in rows) == [
         ("0.05", "12"), ("0.05", "24"), ("1.0e+30", "12"), ("1.0e+30", "24")]
@@ -44,6 +51,7 @@ def test_a_four_trial_sweep_marks_the_best_and_reports_the_failed(tmp_path: Path
     own = {r["data.batch_size"]: max(e["val_accuracy"] for e in read_metrics(Path(r["output"]), "epoch"))
            for r in ran}
     assert {r["data.batch_size"]: float(r["val_accuracy"]) for r in ran} == own
+    assert max(len(read_metrics(Path(r["output"]), "epoch")) for r in ran) == 2  # the sweep's --set reached them
     (best,) = [r for r in rows if r["best"] == "True"]
     assert float(best["val_accuracy"]) == max(own.values()) and best["optimizer.lr"] == "0.05"
     marked = [line for line in done.stdout.splitlines() if line.startswith("*")]

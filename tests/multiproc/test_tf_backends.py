@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from procs import BIN, check, loopback_env, run, step_losses
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 from polytrain.horovod.common import _import_error
 
 pytest.importorskip("tensorflow")

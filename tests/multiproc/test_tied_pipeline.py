@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, step_losses, train
+from procs import one_model_on_every_rank, trained_run
 from safetensors.numpy import load_file
 from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
 
-from polytrain.checkpoint import read_model, step_dir_name
+from polytrain.checkpoint.store import step_dir_name
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
@@ -44,15 +44,9 @@ GRID = ["backend=fsdp", "parallel.pipeline=2", "parallel.tensor=2"]  # at 8 rank
 
 
 def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict]:
-    result = check(train(out, [*TIED, *changes], nproc=nproc, resume=resume, timeout=600))
-    assert not result.left_behind, result.left_behind
-    state, manifest = read_model(out)
-    assert manifest["world_size"] == nproc
-    assert len(set(manifest["rank_state_digests"])) == 1, manifest["rank_state_digests"]
-    peaks = [rank["host"] for rank in manifest["rank_peak_memory"]]  # each rank's, for a regression to show
-    assert len(peaks) == nproc and min(peaks) > 0
-    print(f"\n{' '.join(changes)} × {nproc}: peak resident MiB per rank {[round(p / 2**20) for p in peaks]}")
-    return step_losses(out), state
+    run = trained_run(out, [*TIED, *changes], nproc=nproc, resume=resume, timeout=600)
+    one_model_on_every_rank(run, nproc, " ".join(changes))
+    return run.losses, run.state
 
 
 def within(losses: np.ndarray, state: dict, ref_losses: np.ndarray, ref_state: dict) -> tuple[float, float]:

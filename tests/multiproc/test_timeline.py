@@ -19,7 +19,7 @@ import pytest
 from hvd_launch import launch
 from procs import check, train
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 from polytrain.horovod.common import _import_error
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]

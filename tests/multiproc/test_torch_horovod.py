@@ -15,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, step_losses, train
+from procs import trained_run
 from specs import PARITY_TRAINING, as_sets, lm, merged
 
-from polytrain.checkpoint import read_model
 from polytrain.horovod.common import _import_error
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
@@ -37,9 +36,8 @@ def trained(out: Path, changes: list[str], launcher: str, nproc: int,
     env: dict[str, str | None] = dict(extra_env)
     if launcher in ("mpirun", "horovodrun-mpi", "horovodrun-gloo"):
         env["MASTER_ADDR"] = None  # as a user's shell would have it: Horovod/mpirun set up their own
-    completed = check(train(out, [*LM, *changes], launcher=launcher, nproc=nproc, quiet=False, env=env, timeout=450))
-    state, manifest = read_model(out)
-    return step_losses(out), state, manifest, completed.stdout + completed.stderr
+    run = trained_run(out, [*LM, *changes], launcher=launcher, nproc=nproc, quiet=False, env=env, timeout=450)
+    return run.losses, run.state, run.manifest, run.output
 
 
 @pytest.fixture(scope="module")

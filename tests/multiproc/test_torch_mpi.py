@@ -7,9 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, step_losses, train
-
-from polytrain.checkpoint import read_model
+from procs import trained_run
 
 pytest.importorskip("torch")
 pytest.importorskip("mpi4py")
@@ -24,10 +22,9 @@ def trained(launcher: str, out: Path, batch: int, backend: str) -> tuple[np.ndar
     """One process (``python``) or 2 ranks under ``mpirun``."""
     sets = [*COMMON, f"backend={backend}", f"data.batch_size={batch}"]
     # 4 KiB buckets: the larger weights are reduced alone, the biases fused
-    check(train(out, sets, launcher=launcher, nproc=2 if launcher == "mpirun" else 1, quiet=False,
-                env={"POLYTRAIN_MPI_FUSION_BYTES": "4096"}, exports=["POLYTRAIN_MPI_FUSION_BYTES"], timeout=250))
-    state, manifest = read_model(out)
-    return step_losses(out), state, manifest
+    run = trained_run(out, sets, launcher=launcher, nproc=2 if launcher == "mpirun" else 1, quiet=False,
+                      env={"POLYTRAIN_MPI_FUSION_BYTES": "4096"}, exports=["POLYTRAIN_MPI_FUSION_BYTES"], timeout=250)
+    return run.losses, run.state, run.manifest
 
 
 def test_two_mpi_ranks_equal_one_process_with_double_batch(tmp_path: Path) -> None:

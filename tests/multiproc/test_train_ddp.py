@@ -73,7 +73,7 @@ def test_saved_model_reloads_into_a_plain_model(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from polytrain import validation
     from polytrain.adapters.torch.models import build_model
-    from polytrain.checkpoint import read_model
+    from polytrain.checkpoint.store import read_model
     from polytrain.data import load_dataset
 
     out = tmp_path / "single"

@@ -39,7 +39,7 @@ import pytest
 from procs import REPO, check, command, job_env, read_metrics, run, train
 from specs import as_sets, lm
 
-from polytrain.checkpoint import read_model
+from polytrain.checkpoint.store import read_model
 
 pytest.importorskip("torch")
 pytest.importorskip("pyarrow")
@@ -419,7 +419,7 @@ EXAMPLES = {  # example folder: (the data.* paths its make_data.py output replac
 def test_example_makes_its_data_and_its_spec_reads_it(name: str, tmp_path: Path) -> None:
     """Each example's make_data.py writes what its spec.yaml names (read here through the spec's source)."""
     from polytrain import registry, validation
-    from polytrain.spec_files import load_raw
+    from polytrain.spec.files import load_raw
 
     folder = REPO / "examples" / name
     module_spec = importlib.util.spec_from_file_location(f"make_{name}_data", folder / "make_data.py")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from procs import check, step_losses, train
 
-from polytrain.checkpoint import complete_checkpoints, load_checkpoint, read_model
+from polytrain.checkpoint.store import complete_checkpoints, load_checkpoint, read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 pytest.importorskip("deepspeed")

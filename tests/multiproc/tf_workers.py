@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from polytrain import registry, validation
-from polytrain.callbacks import RunInfo
-from polytrain.checkpoint import read_model, state_digest
-from polytrain.checkpoint_tools import import_weights
+from polytrain.checkpoint.store import read_model, state_digest
+from polytrain.commands.checkpoint import import_weights
 from polytrain.data import load_dataset
 from polytrain.environments import detect_world
-from polytrain.trainer import Trainer
+from polytrain.train.callbacks import RunInfo
+from polytrain.train.trainer import Trainer
 from polytrain.world import World
 
 

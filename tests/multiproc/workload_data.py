@@ -92,7 +92,7 @@ def write_parquet_images(images: np.ndarray, labels: np.ndarray, path: Path) -> 
 def write_tokens(path: Path) -> None:
     """The `tokens` corpus, sequence after sequence: ``seq_len + 1``-token windows of the file are its samples."""
     from polytrain.data import token_corpus
-    from polytrain.spec import TokenSpec
+    from polytrain.spec.tables import TokenSpec
 
     path.write_bytes(token_corpus(TokenSpec(**TOKENS)).astype(np.uint16).tobytes())
 

@@ -32,11 +32,11 @@ from polytrain.adapters.torch.execution import block_modules, compile_module
 from polytrain.adapters.torch.parallel import state as layout_state
 from polytrain.adapters.torch.parallel.data import DataDimension, DDPDimension, FSDPDimension
 from polytrain.adapters.torch.parallel.tensor import from_portable, to_portable
-from polytrain.layout import grid_for
+from polytrain.observe.timeline import COLLECTIVES, NULL, Timeline
+from polytrain.observe.watchdog import Activity
 from polytrain.protocols import DataShard
-from polytrain.spec import TrainSpec
-from polytrain.timeline import COLLECTIVES, NULL, Timeline
-from polytrain.watchdog import Activity
+from polytrain.spec.layout import grid_for
+from polytrain.spec.tables import TrainSpec
 from polytrain.world import World
 
 
@@ -204,9 +204,7 @@ class ParallelBackend(TorchBackend):
         bad = float(not all_finite(grads))
         return self.all_reduce(np.array([bad]), op="max")[0] == 0.0
 
-    def grad_scaler(self) -> Any | None:
-        if self.spec.precision != "fp16":
-            return None
+    def grad_scaler(self) -> Any:
         from polytrain.errors import SpecError
 
         raise SpecError("precision: fp16 (a dynamic loss scaler) does not combine with parallel.tensor/pipeline "

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from polytrain.adapters.torch.backend import TorchBackend
-from polytrain.layout import Grid
-from polytrain.spec import TrainSpec
-from polytrain.timeline import COLLECTIVES, Timeline
+from polytrain.observe.timeline import COLLECTIVES, Timeline
+from polytrain.spec.layout import Grid
+from polytrain.spec.tables import TrainSpec
 
 
 class DataDimension:

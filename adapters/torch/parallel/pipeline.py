@@ -32,8 +32,8 @@ from torch import nn
 
 from polytrain.adapters.torch.execution import block_modules
 from polytrain.errors import SpecError
-from polytrain.layout import balanced_boundaries, cannot_pipeline, check_blocks
-from polytrain.spec import TrainSpec
+from polytrain.spec.layout import balanced_boundaries, cannot_pipeline, check_blocks
+from polytrain.spec.tables import TrainSpec
 
 
 def embed_modules(model: nn.Module, example: torch.Tensor) -> set[str]:

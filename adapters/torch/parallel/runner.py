@@ -29,8 +29,8 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from polytrain.adapters.torch.parallel.pipeline import StageModule
-from polytrain.layout import MULTI_CHUNK, V_SHAPED
-from polytrain.timeline import PIPELINE, PIPELINE_IDLE, Timeline
+from polytrain.observe.timeline import PIPELINE, PIPELINE_IDLE, Timeline
+from polytrain.spec.layout import MULTI_CHUNK, V_SHAPED
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,

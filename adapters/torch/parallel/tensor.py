@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from polytrain.errors import SpecError
-from polytrain.layout import no_tensor_plan
-from polytrain.spec import TrainSpec
+from polytrain.spec.layout import no_tensor_plan
+from polytrain.spec.tables import TrainSpec
 
 
 def to_head_major(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -85,7 +85,7 @@ def _transformer_plan(model: nn.Module, degree: int) -> tuple[dict[str, Any], di
 
 
 def _user_plan(target: str, model: nn.Module, mesh: Any, function: Callable[..., Any] | None) -> dict[str, Any]:
-    from polytrain.user_code import load_callable
+    from polytrain.spec.user_code import load_callable
 
     plan = (function or load_callable(target, "parallel.tensor_plan"))(model, mesh)
     if not isinstance(plan, Mapping):

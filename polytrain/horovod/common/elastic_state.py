@@ -3,11 +3,13 @@ restored, synced from rank 0 and reset, and the snapshot a restarted job reads b
 
 Each framework's ``ObjectState`` adds what differs: its broadcast and rank (given to ``__init__``), its
 barrier (`_barrier`), how a commit reaches the disk (``commit``/``persist``) and how a commit file is
-read back (`_read_state`).
+read back (`_read_state`). `retrying` is ``hvd.elastic.run`` for both frameworks: each names what counts as a
+failed collective and how it restarts Horovod.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,3 +83,27 @@ class ObjectStateBase:
             return False
         self.load_snapshot(snapshot)
         return True
+
+
+def retrying(func: Callable[..., Any], *, begin: Callable[[ObjectStateBase], object],
+             failed: Callable[[BaseException], bool], restart: Callable[[], None]) -> Callable[..., Any]:
+    """``hvd.elastic.run(func)``: ``begin(state)`` once (a restarted job restores its last commit), then each
+    attempt syncs ``state`` from rank 0 and calls ``func(state, ...)``; an exception ``failed`` says is a failed
+    collective rolls ``state`` back to its last commit, ``restart()`` shuts Horovod down and initialises it again,
+    the reset callbacks run, and it tries again. Any other exception ends the run."""
+
+    @functools.wraps(func)
+    def wrapper(state: ObjectStateBase, *args: Any, **kwargs: Any) -> Any:
+        begin(state)
+        while True:
+            state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except Exception as error:
+                if not failed(error):
+                    raise
+                state.restore()
+            restart()
+            state.on_reset()
+
+    return wrapper

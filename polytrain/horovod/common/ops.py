@@ -15,7 +15,7 @@ Max = 4
 Product = 5
 REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
-#: The reduction that moves each op's data (`polytrain.mpi_transport` names): Average is a sum the
+#: The reduction that moves each op's data (`polytrain.comm.mpi_transport` names): Average is a sum the
 #: caller divides by the number of ranks afterwards; Adasum has none.
 REDUCTIONS = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 

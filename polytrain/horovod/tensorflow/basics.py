@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from polytrain.comm.mpi_transport import MpiTransport, mpi_installed
 from polytrain.errors import BackendUnavailableError
 from polytrain.horovod.common import HorovodSettings, HorovodUnsupportedError, topology_from_records
 from polytrain.horovod.tensorflow.engine import Engine, LocalTransport
 from polytrain.horovod.tensorflow.process_sets import register_global
 from polytrain.horovod.tensorflow.runtime import Runtime
 from polytrain.horovod.tensorflow.runtime import basics as _basics
-from polytrain.mpi_transport import MpiTransport, mpi_installed
 from polytrain.world import World
 
 is_initialized, size, rank, local_size = _basics.is_initialized, _basics.size, _basics.rank, _basics.local_size

@@ -27,7 +27,6 @@ restart (horovodrun's host discovery) is not supported.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from polytrain.horovod.common.elastic_files import (
     state_dir,
     write_state,
 )
-from polytrain.horovod.common.elastic_state import ObjectStateBase
+from polytrain.horovod.common.elastic_state import ObjectStateBase, retrying
 from polytrain.horovod.tensorflow import _impl
 from polytrain.horovod.tensorflow.functions import broadcast_variables
 
@@ -222,24 +221,18 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     collective, as in Horovod.
     """
 
-    @functools.wraps(func)
-    def wrapper(state: ObjectState, *args: Any, **kwargs: Any) -> Any:
-        _agree_on_rank0(state.load_persisted, "restore its last commit")
-        while True:
-            state.sync()
-            try:
-                return func(state, *args, **kwargs)
-            except HorovodInternalError:
-                state.restore()
-            except tf.errors.UnknownError as error:
-                if not _is_collective_failure(error):
-                    raise
-                state.restore()
-            _impl.shutdown()
-            _impl.init()
-            state.on_reset()
+    return retrying(func, begin=lambda state: _agree_on_rank0(state.load_persisted, "restore its last commit"),
+                    failed=_failed, restart=_restart)
 
-    return wrapper
+
+def _failed(error: BaseException) -> bool:
+    return isinstance(error, HorovodInternalError) or (
+        isinstance(error, tf.errors.UnknownError) and _is_collective_failure(error))
+
+
+def _restart() -> None:
+    _impl.shutdown()
+    _impl.init()
 
 
 __all__ = ["ObjectState", "STATE_DIR_VARIABLE", "TensorFlowKerasState", "TensorFlowState", "broadcast_state",

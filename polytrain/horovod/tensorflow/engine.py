@@ -13,7 +13,7 @@ a hash of the shapes). That one message buys three things Horovod's coordinator 
   while a rank is joined).
 
 Ranks must issue collectives in the same order; the TensorFlow layer guarantees that by
-chaining its ops (see `ops`). The data moves through `polytrain.mpi_transport.MpiTransport`
+chaining its ops (see `ops`). The data moves through `polytrain.comm.mpi_transport.MpiTransport`
 (or `LocalTransport` in a one-process job without MPI).
 """
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from polytrain.comm.mpi_transport import plan_buckets, wait, wire_dtype
 from polytrain.horovod.common import REDUCTIONS, Average, Sum, split_rows
 from polytrain.horovod.common.settings import DEFAULT_FUSION_THRESHOLD
-from polytrain.mpi_transport import plan_buckets, wait, wire_dtype
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN = range(1, 8)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",

@@ -22,15 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polytrain.comm.mpi_transport import mpi_installed
+from polytrain.comm.net import free_port, keep_gloo_on_loopback, route_address
 from polytrain.environments import detect_world, ensure_master
 from polytrain.horovod.common import HorovodSettings, Topology, topology_from_records, topology_from_world
 from polytrain.horovod.torch import process_sets as ps_module
 from polytrain.horovod.torch.mpi import open_engine
 from polytrain.horovod.torch.runtime import Runtime, runtime
 from polytrain.horovod.torch.runtime import basics as _basics
-from polytrain.mpi_transport import mpi_installed
-from polytrain.net import free_port, keep_gloo_on_loopback, route_address
-from polytrain.timeline import NULL, Timeline, write_chrome_trace
+from polytrain.observe.timeline import NULL, Timeline, write_chrome_trace
 from polytrain.world import World
 
 is_initialized, size, rank, local_size = _basics.is_initialized, _basics.size, _basics.rank, _basics.local_size

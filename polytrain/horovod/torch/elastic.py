@@ -19,7 +19,6 @@ supported by the shim. This is the shim's module: with real Horovod, ``hvd.elast
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import random
 from collections.abc import Callable
@@ -32,7 +31,7 @@ import torch
 
 from polytrain.horovod.common import HorovodInternalError, elastic_files
 from polytrain.horovod.common.elastic_files import STATE_DIR_VARIABLE, state_dir
-from polytrain.horovod.common.elastic_state import ObjectStateBase
+from polytrain.horovod.common.elastic_state import ObjectStateBase, retrying
 from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import barrier
 from polytrain.horovod.torch.functions import (
@@ -217,21 +216,14 @@ def _handles(value: Any) -> bool:
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``func(state, ...)``, rolling back to the last commit and retrying on HorovodInternalError."""
+    return retrying(func, begin=lambda state: state.load_persisted(),
+                    failed=lambda error: isinstance(error, HorovodInternalError),
+                    restart=_restart)
 
-    @functools.wraps(func)
-    def wrapper(state: ObjectState, *args: Any, **kwargs: Any) -> Any:
-        state.load_persisted()
-        while True:
-            state.sync()
-            try:
-                return func(state, *args, **kwargs)
-            except HorovodInternalError:
-                state.restore()
-            basics.shutdown()
-            basics.init()
-            state.on_reset()
 
-    return wrapper
+def _restart() -> None:
+    basics.shutdown()
+    basics.init()
 
 
 __all__ = ["STATE_DIR_VARIABLE", "ElasticSampler", "ObjectState", "TorchState", "TorchTensors", "read_state", "run",

@@ -4,7 +4,7 @@ Under ``mpirun``/``horovodrun --mpi``/``srun`` real Horovod runs its CPU collect
 MPI (``HOROVOD_CPU_OPERATIONS=mpi``), and so does the shim: MPI's shared-memory transport
 moves a 16 MiB allreduce several times faster than gloo over loopback TCP. The MPI calls
 run on one background thread (like Horovod's), in submission order, on a duplicate of the
-world communicator (`polytrain.mpi_transport.MpiTransport`), so the caller gets an
+world communicator (`polytrain.comm.mpi_transport.MpiTransport`), so the caller gets an
 asynchronous work object just as from ``torch.distributed``; mpi4py releases the GIL
 inside MPI, so backward goes on meanwhile.
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from polytrain.comm.mpi_transport import REDUCIBLE, MpiTransport, wait
 from polytrain.horovod.common import REDUCTIONS
 from polytrain.horovod.torch.stall import DTYPES
-from polytrain.mpi_transport import REDUCIBLE, MpiTransport, wait
 
 #: the shim's dtypes that MPI reduces natively; others stay on gloo
 MPI_DTYPES = frozenset(d for d in DTYPES if str(d).removeprefix("torch.") in REDUCIBLE)
@@ -60,7 +60,7 @@ class MpiWork:
 
 
 class MpiRequest:
-    """A non-blocking MPI call the calling thread polls (`polytrain.mpi_transport.wait`); a Work like `MpiWork`."""
+    """A non-blocking MPI call the calling thread polls (`polytrain.comm.mpi_transport.wait`); a Work like `MpiWork`."""
 
     def __init__(self, request: Any, *keep: Any, spins: int = _SPINS) -> None:
         self._request = request

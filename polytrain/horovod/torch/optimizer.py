@@ -35,7 +35,7 @@ from polytrain.horovod.torch.join import OPTIMIZER_LAYOUTS
 from polytrain.horovod.torch.ops import allgather
 from polytrain.horovod.torch.process_sets import ProcessSet, global_process_set, resolve
 from polytrain.horovod.torch.runtime import runtime
-from polytrain.timeline import COLLECTIVES
+from polytrain.observe.timeline import COLLECTIVES
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                     "Increase backward_passes_per_step to accumulate gradients locally.")

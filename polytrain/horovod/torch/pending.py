@@ -26,7 +26,7 @@ from typing import Any
 
 from polytrain.horovod.torch import stall
 from polytrain.horovod.torch.runtime import runtime
-from polytrain.timeline import COLLECTIVES
+from polytrain.observe.timeline import COLLECTIVES
 
 
 @dataclass

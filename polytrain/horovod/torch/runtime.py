@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polytrain.horovod.common import Basics, HorovodSettings, Topology
-from polytrain.timeline import NULL
+from polytrain.observe.timeline import NULL
 from polytrain.world import World
 
 

@@ -8,7 +8,7 @@ pytest.importorskip("tensorflow")
 
 from polytrain import registry  # noqa: E402
 from polytrain.protocols import DataShard  # noqa: E402
-from polytrain.spec import TrainSpec  # noqa: E402
+from polytrain.spec.tables import TrainSpec  # noqa: E402
 from polytrain.world import World  # noqa: E402
 
 

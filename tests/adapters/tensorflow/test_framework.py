@@ -31,6 +31,7 @@ def digits():
     return load_dataset(validation.from_dict(BASE).data, 0)
 
 
+@pytest.mark.slow
 def test_two_micro_steps_accumulate_like_one_big_one(digits) -> None:
     x, y = digits.x_train[:32], digits.y_train[:32]
     fw, _ = make()
@@ -103,6 +104,7 @@ def test_rng_state_round_trips() -> None:
     assert fw.rng_state() == [7, 3]
 
 
+@pytest.mark.slow
 def test_bf16_trains_like_fp32(digits) -> None:
     results = {}
     for precision in ("fp32", "bf16"):

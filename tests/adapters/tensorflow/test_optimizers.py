@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from polytrain.adapters.tensorflow.optimizers import make_optimizer  # noqa: E402
 from polytrain.adapters.torch.framework import make_optimizer as make_torch_optimizer  # noqa: E402
-from polytrain.spec import OptimizerSpec  # noqa: E402
+from polytrain.spec.tables import OptimizerSpec  # noqa: E402
 
 CASES = {
     "sgd": OptimizerSpec(name="sgd", lr=0.1),

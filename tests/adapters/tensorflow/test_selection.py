@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from polytrain import registry, validation  # noqa: E402
-from polytrain import spec as spec_mod  # noqa: E402
 from polytrain.adapters.tensorflow.backend import choose_device  # noqa: E402
 from polytrain.adapters.tensorflow.multiworker import (  # noqa: E402
     choose_collective,
@@ -20,6 +19,7 @@ from polytrain.adapters.tensorflow.multiworker import (  # noqa: E402
 )
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError, SpecError  # noqa: E402
 from polytrain.horovod.common import _import_error  # noqa: E402
+from polytrain.spec import tables as spec_mod  # noqa: E402
 from polytrain.world import World  # noqa: E402
 
 

@@ -13,12 +13,12 @@ torch = pytest.importorskip("torch")
 from polytrain import registry, validation  # noqa: E402
 from polytrain.adapters.tensorflow.models import build_model, from_portable, to_portable  # noqa: E402
 from polytrain.adapters.torch.transformer import build_transformer  # noqa: E402
-from polytrain.checkpoint import read_model  # noqa: E402
+from polytrain.checkpoint.store import read_model  # noqa: E402
 from polytrain.data import epoch_plan, load_dataset  # noqa: E402
 from polytrain.data.source import DatasetInfo  # noqa: E402
-from polytrain.trainer import Trainer  # noqa: E402
+from polytrain.spec.zoo import TransformerParams  # noqa: E402
+from polytrain.train.trainer import Trainer  # noqa: E402
 from polytrain.world import World  # noqa: E402
-from polytrain.zoo import TransformerParams  # noqa: E402
 
 INFO = DatasetInfo(input_shape=(8,), num_outputs=13, task="next_token")
 PARAMS = [

@@ -18,10 +18,10 @@ import torch
 from specs import lm
 
 from polytrain import registry, validation
-from polytrain import spec as spec_mod
 from polytrain.adapters.torch.execution import is_checkpointed
 from polytrain.adapters.torch.framework import TorchFramework
 from polytrain.data.source import DatasetInfo
+from polytrain.spec import tables as spec_mod
 from polytrain.world import World
 
 LM = lm(tokens=None, d_model=16, n_heads=2, dropout=0.1)

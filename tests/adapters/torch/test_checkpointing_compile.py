@@ -23,11 +23,11 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from polytrain import registry, validation  # noqa: E402
-from polytrain import spec as spec_mod  # noqa: E402
 from polytrain.adapters.torch.execution import block_modules, checkpoint_blocks, is_checkpointed  # noqa: E402
 from polytrain.adapters.torch.transformer import TransformerLM  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.zoo import TransformerParams  # noqa: E402
+from polytrain.spec import tables as spec_mod  # noqa: E402
+from polytrain.spec.zoo import TransformerParams  # noqa: E402
 
 LM = lm(tokens=None, d_model=16, n_heads=2, dropout=0.1)
 WORKER = Path(__file__).with_name("execution_worker.py")
@@ -37,6 +37,7 @@ COMPILED = {"local": (False, True, False), "ddp": (True, False, False), "fsdp": 
 
 
 @pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.slow
 def test_every_backend_recomputes_the_blocks_and_compiles_in_place(backend: str, tmp_path: Path) -> None:
     """On each backend (one process of its own): with checkpointing the layers inside each block run twice
     per micro-step (forward, then recomputed in the backward pass), the head once; without, once each.
@@ -76,6 +77,7 @@ def saved_bytes(model: nn.Module, tokens: torch.Tensor) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.slow
 def test_checkpointing_keeps_fewer_activations_and_the_same_gradients() -> None:
     params = TransformerParams(d_model=32, n_heads=4, n_layers=4, dropout=0.1)
     tokens = torch.from_numpy(np.random.default_rng(1).integers(0, 64, size=(8, 32)))

@@ -10,10 +10,11 @@ pytest.importorskip("torch")
 from safetensors.numpy import load_file  # noqa: E402
 
 from polytrain import validation  # noqa: E402
-from polytrain.trainer import Trainer  # noqa: E402
+from polytrain.train.trainer import Trainer  # noqa: E402
 from polytrain.world import World  # noqa: E402
 
 
+@pytest.mark.slow
 def test_ddp_in_one_process_equals_local(tmp_path: Path) -> None:
     weights = {}
     for backend in ("local", "ddp"):
@@ -76,7 +77,7 @@ def test_training_mode_is_set_only_when_a_step_finds_the_model_elsewhere(tmp_pat
     from polytrain.adapters.torch.local import LocalBackend
     from polytrain.data import load_dataset
     from polytrain.protocols import UserCode
-    from polytrain.spec import DataSpec
+    from polytrain.spec.tables import DataSpec
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 10)).eval()
     spec = validation.from_dict({"backend": "local", "output": str(tmp_path)})

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from polytrain import spec as spec_mod  # noqa: E402
 from polytrain import validation  # noqa: E402
 from polytrain.adapters.torch.deepspeed import deepspeed_config, merge  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
+from polytrain.spec import tables as spec_mod  # noqa: E402
 
 
 def make(**raw) -> spec_mod.TrainSpec:

@@ -1,8 +1,9 @@
 """DeepSpeed with bf16 keeps the module's weights in bf16 and runs its forward with CUDA autocast turned off, so
 the Trainer's autocast around it does not cast float inputs (digits' features) any more: on the GPU every bf16
 and fp16 run on float inputs failed with "mat1 and mat2 must have the same dtype" (docs/gpu-results.md). The
-backend casts floating-point inputs to the weights' dtype; here that is checked on the CPU with no autocast at all,
-which is what the GPU sees."""
+precision component casts floating-point inputs to the weights' dtype where the backend keeps its weights in the
+training precision (``weights_in_precision``); here that is checked on the CPU with no autocast at all, which is what
+the GPU sees."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ pytest.importorskip("deepspeed")
 WORKER = Path(__file__).with_name("deepspeed_inputs_worker.py")
 
 
+@pytest.mark.slow
 def test_bf16_engine_takes_fp32_inputs_without_autocast(tmp_path: Path) -> None:
     done = check(run([sys.executable, str(WORKER), "bf16", str(tmp_path)], timeout=200, env=loopback_env()))
     got = json.loads(done.stdout.strip().splitlines()[-1])

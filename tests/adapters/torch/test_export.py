@@ -1,4 +1,4 @@
-"""`polytrain.export` on DeepSpeed checkpoint directories (ZeRO-1/2/3 are exercised in test_sharded_parity)."""
+"""`polytrain.checkpoint.export` on DeepSpeed checkpoint directories (ZeRO-1/2/3 are exercised in test_sharded_parity)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from polytrain.checkpoint import read_model  # noqa: E402
-from polytrain.export import ExportError, export_deepspeed, main  # noqa: E402
+from polytrain.checkpoint.export import ExportError, export_deepspeed, main  # noqa: E402
+from polytrain.checkpoint.store import read_model  # noqa: E402
 
 
 def stage0_checkpoint(root: Path, payload: dict) -> Path:

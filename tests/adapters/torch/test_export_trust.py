@@ -1,4 +1,4 @@
-"""`polytrain.export` runs DeepSpeed's unpickling loader (ZeRO 1-3) only behind ``--trust-checkpoint``.
+"""`polytrain.checkpoint.export` runs DeepSpeed's unpickling loader (ZeRO 1-3) only behind ``--trust-checkpoint``.
 
 The checkpoint here is planted: its files are pickles that make a marker directory when loaded.
 """
@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from polytrain.export import ExportError, export_deepspeed, main  # noqa: E402
+from polytrain.checkpoint.export import ExportError, export_deepspeed, main  # noqa: E402
 
 
 class Payload:

@@ -12,7 +12,7 @@ from polytrain import validation  # noqa: E402
 from polytrain.adapters.torch.fsdp import RESHARD_AFTER_FORWARD, find_unit_classes, mesh_shape  # noqa: E402
 from polytrain.adapters.torch.transformer import Block, TransformerLM  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.zoo import TransformerParams  # noqa: E402
+from polytrain.spec.zoo import TransformerParams  # noqa: E402
 
 
 @pytest.mark.parametrize(("sharding", "shape", "reshard"), [

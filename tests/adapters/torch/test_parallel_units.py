@@ -28,11 +28,11 @@ from polytrain.adapters.torch.parallel.tensor import (  # noqa: E402
     to_head_major,
     to_portable,
 )
-from polytrain.backend_options import FSDPSpec  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.layout import ParallelSpec, check_spec, grid_for  # noqa: E402
 from polytrain.protocols import DataShard  # noqa: E402
-from polytrain.spec import ModelSpec, TrainSpec  # noqa: E402
+from polytrain.spec.backend_options import FSDPSpec  # noqa: E402
+from polytrain.spec.layout import ParallelSpec, check_spec, grid_for  # noqa: E402
+from polytrain.spec.tables import ModelSpec, TrainSpec  # noqa: E402
 from polytrain.world import World  # noqa: E402
 
 LM = ModelSpec(name="transformer", params={"n_heads": 4, "d_model": 32, "n_layers": 4, "tie_weights": False})
@@ -287,7 +287,7 @@ def test_the_default_micro_step_runs_forward_and_backward_of_the_scaled_summed_l
 def test_a_tied_head_is_found_as_the_last_stages_copy_of_the_embedding(tied: bool) -> None:
     from polytrain.adapters.torch.parallel.pipeline import tied_weights
     from polytrain.adapters.torch.transformer import TransformerLM
-    from polytrain.zoo import TransformerParams
+    from polytrain.spec.zoo import TransformerParams
 
     model = TransformerLM(vocab=16, seq_len=8, params=TransformerParams(d_model=8, n_heads=2, tie_weights=tied))
     assert tied_weights(model, torch.zeros(1, 8, dtype=torch.long)) == (

@@ -11,8 +11,8 @@ from polytrain import validation  # noqa: E402
 from polytrain.adapters.torch.transformer import TransformerLM  # noqa: E402
 from polytrain.data import load_dataset, token_corpus  # noqa: E402
 from polytrain.errors import SpecError  # noqa: E402
-from polytrain.spec import TokenSpec  # noqa: E402
-from polytrain.zoo import TransformerParams  # noqa: E402
+from polytrain.spec.tables import TokenSpec  # noqa: E402
+from polytrain.spec.zoo import TransformerParams  # noqa: E402
 
 
 def lm(**params) -> TransformerLM:

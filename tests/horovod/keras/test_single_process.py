@@ -6,6 +6,7 @@ import pytest
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_surface_in_one_process(launch, tmp_path):
     proc = launch.single(launch.here / "worker_single.py", str(tmp_path), impl="shim", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -25,6 +26,7 @@ def test_surface_in_one_process(launch, tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_util_and_compute_gradients_as_horovods_tests_call_them(launch):
     """Issue 36 item 6: ``horovod.tensorflow.util`` and the Keras optimizers' ``_compute_gradients`` (see
     worker_compute_gradients.py; the expected numbers are those of Horovod's test_tensorflow2_keras.py)."""

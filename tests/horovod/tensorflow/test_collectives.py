@@ -96,6 +96,7 @@ def test_shim_collectives_under_mpirun(launch, nproc):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_shim_collectives_single_process_without_launcher(launch):
     proc = launch.single(launch.here / "worker_collectives.py", impl="shim", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -29,6 +29,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_real_and_shim_export_the_same_names(launch):
     proc = check(run([sys.executable, "-c", PROBE], env=launch.env("shim"), timeout=240))
     out = json.loads(proc.stdout.strip().splitlines()[-1])

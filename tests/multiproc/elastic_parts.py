@@ -1,0 +1,59 @@
+"""Test-only parts of the elastic Trainer's proof (tests/multiproc/test_elastic_trainer.py), imported by the
+workers through the spec (``model.name: elastic_parts:model``, ``callbacks: [elastic_parts:Samples]``).
+
+`model`: the digits MLP, which notes a digest of every sample row it trains on. `Samples`: at each step's end it
+appends the rows of that step, with its step number, its world size, this process's pid and how many times
+training (re)started in it (``on_train_start``: once, then once after each recovery), to ``<output>/samples.jsonl``;
+with ``ELASTIC_TEST_KILL=STEP:RANK`` the process spawned as rank RANK (``HOROVOD_RANK``, never rewritten)
+SIGKILLs itself at the end of step STEP, once its rows are written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from polytrain.adapters.torch.models import build_model
+
+PENDING: list[str] = []  # rows trained on since the last step's end
+
+
+class Recording(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Any) -> Any:
+        if self.training:
+            PENDING.extend(hashlib.sha1(row.numpy().tobytes()).hexdigest()[:20] for row in x.detach().cpu())
+        return self.inner(x)
+
+
+def model(info: Any, **params: Any) -> nn.Module:
+    return Recording(build_model("mlp", params, info))
+
+
+class Samples:
+    def __init__(self) -> None:
+        self.round = -1
+        step, _, rank = os.environ.get("ELASTIC_TEST_KILL", "").partition(":")
+        self.kill = (int(step), int(rank)) if step else None
+
+    def on_train_start(self, run: Any) -> None:
+        self.round += 1
+        PENDING.clear()
+
+    def on_step_end(self, run: Any, step: int, logs: Any) -> None:
+        record = {"pid": os.getpid(), "round": self.round, "step": step, "size": run.world_size, "rank": run.rank,
+                  "rows": list(PENDING)}
+        PENDING.clear()
+        with open(Path(run.spec.output) / "samples.jsonl", "a") as out:
+            out.write(json.dumps(record) + "\n")
+        if self.kill == (step, int(os.environ.get("HOROVOD_RANK", "-1"))):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,95 @@
+"""The Trainer keeps training in place when a rank is SIGKILLed (issue 51.5, on ddp): a 3-rank job under
+``polytrain launch --launcher local --elastic`` loses spawn rank 1 at the end of step 5; its two peers roll back
+to their commit of step 4 (``commit_every_n_steps: 2``), re-form the group at 2 ranks in the same processes and
+finish the epoch with the same global batch. Compared with a run that goes from 3 to 2 ranks at that commit with
+no failure (3 ranks to step 4 with a checkpoint there, then resumed on 2 ranks): the same samples, each once,
+and the same final weights (rtol 1e-5)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from procs import check, loopback_env, run, train
+from safetensors.numpy import load_file
+
+HERE = Path(__file__).resolve().parent
+KILL_STEP, KILL_RANK, GLOBAL_BATCH = 5, 1, 96
+# each rank on a loopback "host" of its own: the driver blacklists the dead rank's host only (Horovod's rule)
+HOSTS = "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
+
+
+def _spec(tmp_path: Path, out: Path, elastic: bool) -> Path:
+    spec = {"framework": "torch", "backend": "ddp", "model": {"name": "elastic_parts:model"},
+            "data": {"name": "digits", "global_batch_size": GLOBAL_BATCH}, "loop": {"epochs": 1},
+            "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "callbacks": ["elastic_parts:Samples"],
+            "output": str(out), "reliability": {"collective_timeout_s": 60}}
+    if elastic:
+        spec["elastic"] = {"min_np": 2, "max_np": 3, "commit_every_n_steps": 2}
+    path = tmp_path / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def _trained(records: list[dict]) -> dict[int, list[dict]]:
+    """Each step's records from the last time it was trained (a step redone after a rollback counts once)."""
+    last = {}
+    for r in records:
+        last[r["step"]] = max(last.get(r["step"], -1), r["round"])
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        if r["round"] == last[r["step"]]:
+            out.setdefault(r["step"], []).append(r)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_rank_costs_no_work(tmp_path):
+    env = loopback_env(PYTHONPATH=str(HERE), ELASTIC_TEST_KILL=f"{KILL_STEP}:{KILL_RANK}",
+                       POLYTRAIN_ELASTIC_DISCOVERY_INTERVAL="0.2", HOROVOD_GLOO_TIMEOUT_SECONDS="60")
+    out = tmp_path / "elastic"
+    result = run([*__import__("procs").PYTHON, "-m", "polytrain.cli", "launch", "--launcher", "local", "--elastic",
+                  "-np", "3", "--min-np", "2", "-H", HOSTS, str(_spec(tmp_path, out, True))], env=env, timeout=400)
+    check(result)
+    assert result.left_behind == []
+    records = _records(out)
+    pids = {r["rank"]: r["pid"] for r in records if r["round"] == 0}
+    assert len(pids) == 3
+    after = {r["pid"] for r in records if r["round"] == 1}
+    # the survivors went on in the processes they were: no process was started for them
+    assert after == {pids[0], pids[2]}, (pids, after)
+    assert all(r["size"] == 2 for r in records if r["round"] == 1)
+    final = _trained(records)
+    steps = sorted(final)
+    assert steps == list(range(1, len(steps) + 1))
+    redone = sorted({r["step"] for r in records if r["round"] == 1} & {r["step"] for r in records if r["round"] == 0})
+    assert redone == [KILL_STEP]  # rolled back to the commit of step 4: only step 5 is trained again
+    assert [len(final[s]) for s in steps] == [3] * (KILL_STEP - 1) + [2] * (len(steps) - KILL_STEP + 1)
+    elastic_rows = Counter(row for s in steps for r in final[s] for row in r["rows"])
+
+    # the same job with no failure, going from 3 to 2 ranks at that commit: a checkpoint of step 4, resumed
+    ref = tmp_path / "reference"
+    spec = _spec(tmp_path, ref, False)
+    ref_env = {"PYTHONPATH": str(HERE)}
+    check(train(ref, [f"loop.max_steps={KILL_STEP - 1}", f"checkpoint.every_n_steps={KILL_STEP - 1}"], spec=spec,
+                nproc=3, env=ref_env, timeout=300))
+    check(train(ref, [], spec=spec, nproc=2, resume="auto", env=ref_env, timeout=300))
+    ref_final = _trained(_records(ref))
+    assert sorted(ref_final) == steps
+    ref_rows = Counter(row for s in steps for r in ref_final[s] for row in r["rows"])
+    # every sample of the epoch trained exactly once: the same samples, as often, as the run that never failed
+    assert elastic_rows == ref_rows
+    assert sum(elastic_rows.values()) == sum(len(r["rows"]) for s in steps for r in ref_final[s])
+    assert sum(elastic_rows.values()) >= GLOBAL_BATCH * (len(steps) - 1)
+    mine, theirs = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert sorted(mine) == sorted(theirs)
+    for name in mine:
+        np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)
