@@ -20,10 +20,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh): a file's tests run on one worker, so its
     module fixtures are made once; the namespace-cluster tests share one worker (its session cluster), and so do
     the files that start local Ray clusters. First of the hooks: xdist's own reads the marks to name the group."""
+    groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         path = item.path.relative_to(TESTS)
         group = ("cluster" if path.parts[0] == "cluster" else "ray" if path.as_posix() in RAY_FILES else str(path))
         item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    # the heaviest groups first (xdist hands the groups out in this order: see pytest_configure), so that no
+    # long file starts near the end and runs on alone while the other workers have finished
+    ordered = sorted(groups.values(), key=lambda group: -sum(map(_weight, group)))
+    items[:] = [item for group in ordered for item in group]
+
+
+def _weight(item: pytest.Item) -> int:
+    """A rough cost of a test, for ordering only: one that starts processes costs ~20 unit tests, a slow one twice that."""
+    multiproc = item.get_closest_marker("multiproc") is not None or item.path.relative_to(TESTS).parts[0] == "cluster"
+    return 1 + 20 * multiproc + 20 * (item.get_closest_marker("slow") is not None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist would hand the groups out largest (by number of tests) first, which puts a heavy file of a few
+    multi-process tests behind every table of quick cases: keep the order the collection hook made."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -32,6 +32,8 @@ def left_behind(podman: image_check.Podman) -> list[str]:
     return ours + podman("ps", "-aq", "--external").stdout.split()
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.timeout(3000)  # a rebuild after a change to polytrain/ reinstalls the venv: minutes
 def test_the_cpu_image_builds_and_runs_every_job(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
