@@ -221,6 +221,30 @@ def trained_run(out: Path, sets: Sequence[str] = (), **train_kw: Any) -> Trained
     return Trained(step_losses(out), state, manifest, result.stdout + result.stderr, result.left_behind)
 
 
+PLAN_WORKER = str(REPO / "tests" / "multiproc" / "resume_worker.py")
+
+
+def trained_runs(root: Path, nproc: int, runs: Mapping[str, tuple[Sequence[str], Path | None]],
+                 sets: Sequence[str] = (), timeout: float = 800) -> dict[str, Trained]:
+    """Several runs of the spec ``sets`` (name: its own sets and a checkpoint to resume, or None) in turn on the
+    same ``nproc`` ranks, in one launch of ``resume_worker.py`` (torchrun; one process without a launcher),
+    each into ``root/name``: a launch costs seconds of CPU before it trains (torch, the agent). Each run as
+    `trained_run` returns it, the launch's output and what it left running in every one."""
+    from polytrain.checkpoint.store import read_model
+
+    outs = {name: root / name for name in runs}
+    plan = {"sets": list(sets), "runs": [{"sets": list(own), "output": str(outs[name]),
+                                          **({"resume": str(resume)} if resume is not None else {})}
+                                         for name, (own, resume) in runs.items()]}
+    done = check(run(command("python" if nproc == 1 else "torchrun", [PLAN_WORKER, json.dumps(plan)], nproc),
+                     env=job_env(), timeout=timeout))
+    result = {}
+    for name, out in outs.items():
+        state, manifest = read_model(out)
+        result[name] = Trained(step_losses(out), state, manifest, done.stdout + done.stderr, done.left_behind)
+    return result
+
+
 def one_model_on_every_rank(run: Trained, nproc: int, label: str) -> None:
     """``run`` had ``nproc`` ranks, left nothing running, and every rank ended with the same full model (the
     digests of their states agree); each rank reported its peak memory, printed with ``label`` for a regression

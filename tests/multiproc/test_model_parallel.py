@@ -2,8 +2,9 @@
 
 The zoo transformer LM (4 blocks, 4 heads, untied head), fp32, SGD with momentum (Adam would turn the
 rounding noise of gradients that are truly zero — the key bias's — into full-size steps), clipping that
-bites, 2 micro-steps of accumulation, a global batch of 32 in every layout (so every layout takes the same steps), 22 steps,
-dropout 0. Each layout runs ``polytrain train`` under torchrun (gloo on loopback) and must match one
+bites, 2 micro-steps of accumulation, a global batch of 32 in every layout (so every layout takes the same
+steps), 22 steps, dropout 0. Each layout trains under torchrun (gloo on loopback; the layouts of one world
+size in turn in one launch, as ``polytrain train`` runs them: `procs.trained_runs`) and must match one
 process (``backend: ddp`` at world size 1): per-step losses and final weights within 1e-5 relative
 (``compile`` within 1e-4 and not bit-identical), every rank holding the same full weights (the portable
 form gathers tensor shards and pipeline stages), the plain model's parameter names.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, one_model_on_every_rank, step_losses, train, trained_run
+from procs import check, one_model_on_every_rank, step_losses, train, trained_run, trained_runs
 from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
 
 from polytrain.checkpoint.store import read_model, step_dir_name
@@ -72,21 +73,38 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndar
     return out, losses, state
 
 
+RESUMED_AT_P2T2 = "one-process-resumed-at-pipeline2-tensor2"
+
+
 @pytest.fixture(scope="module")
-def tensor2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, dict]:
-    out = tmp_path_factory.mktemp("tensor2")
-    losses, state, _ = trained(out, *LAYOUTS["tensor2"])
+def layout_runs(one_process: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """Every layout's run, one launch per world size (`procs.trained_runs`): the 2-rank layouts, then the 4-rank
+    ones with the one-process run's step-11 checkpoint resumed at P=2 × T=2; each checked as
+    `trained` checks one."""
+    root = tmp_path_factory.mktemp("layouts")
+    plans: dict[int, dict[str, tuple[list[str], Path | None]]] = {}
+    for name, (nproc, changes) in LAYOUTS.items():
+        plans.setdefault(nproc, {})[name] = (changes, None)
+    plans[4][RESUMED_AT_P2T2] = (LAYOUTS["pipeline2-tensor2"][1], _saved(one_process[0]))
+    runs = {}
+    for nproc, plan in plans.items():
+        for name, run in trained_runs(root, nproc, plan, LM).items():
+            one_model_on_every_rank(run, nproc, " ".join(plan[name][0]))
+            runs[name] = (root / name, run.losses, run.state, run.manifest)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def tensor2_run(layout_runs: dict) -> tuple[Path, np.ndarray, dict]:
+    out, losses, state, _ = layout_runs["tensor2"]
     return out, losses, state
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_trains_like_one_process(layout: str, one_process: tuple, tensor2_run: tuple, tmp_path: Path) -> None:
+def test_layout_trains_like_one_process(layout: str, one_process: tuple, layout_runs: dict) -> None:
     _, ref_losses, ref_state = one_process
-    if layout == "tensor2":
-        _, losses, state = tensor2_run
-    else:
-        losses, state, manifest = trained(tmp_path, *LAYOUTS[layout])
-        assert manifest["backend"] == LAYOUTS[layout][1][0].partition("=")[2]
+    _, losses, state, manifest = layout_runs[layout]
+    assert manifest["backend"] == LAYOUTS[layout][1][0].partition("=")[2]
     loss_rel, weight_rel = differences(losses, state, ref_losses, ref_state)
     print(f"\n{layout}: losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
     assert loss_rel < 1e-5 and weight_rel < 1e-5
@@ -115,9 +133,9 @@ def test_tensor_parallel_checkpoint_resumes_on_one_process(one_process: tuple, t
     assert loss_rel < 1e-5 and weight_rel < 1e-5
 
 
-def test_one_process_checkpoint_resumes_at_pipeline2_tensor2(one_process: tuple, tmp_path: Path) -> None:
-    source, ref_losses, ref_state = one_process
-    losses, state, _ = trained(tmp_path, 4, LAYOUTS["pipeline2-tensor2"][1], resume=_saved(source))
+def test_one_process_checkpoint_resumes_at_pipeline2_tensor2(one_process: tuple, layout_runs: dict) -> None:
+    _, ref_losses, ref_state = one_process
+    _, losses, state, _ = layout_runs[RESUMED_AT_P2T2]
     loss_rel, weight_rel = differences(losses, state, ref_losses[SAVED:], ref_state)
     assert len(losses) == STEPS - SAVED
     assert loss_rel < 1e-5 and weight_rel < 1e-5

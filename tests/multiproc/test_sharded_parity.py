@@ -12,7 +12,8 @@ exact gradient is zero (an attention key bias) it turns 1e-10 rounding noise int
 Each run's ``model.safetensors`` (FSDP: gathered shards; ZeRO: the consolidated fp32
 master weights) must load into a plain single-process model that reproduces the run's
 validation accuracy; each ZeRO run also writes DeepSpeed's own checkpoint, which
-`polytrain.checkpoint.export` must turn into the same weights, bit for bit.
+`polytrain.checkpoint.export` must turn into the same weights, bit for bit. The runs of one world size and
+backend family (torch's own, DeepSpeed) go in turn in one launch (`procs.trained_runs`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import trained_run
+from procs import trained_run, trained_runs
 from specs import PARITY_TRAINING, as_sets, lm, merged
 
 from polytrain.checkpoint.store import read_model
@@ -53,8 +54,38 @@ def trained(out: Path, changes: list[str], nproc: int,
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
-    return trained(tmp_path_factory.mktemp("local"), ["backend=local", "data.batch_size=16"], nproc=1)
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[np.ndarray, dict[str, np.ndarray], dict]]:
+    """The reference run on one process, and the same without clipping, in one launch."""
+    local = ["backend=local", "data.batch_size=16"]
+    runs = trained_runs(tmp_path_factory.mktemp("local"), 1, {"reference": (local, None),
+                                                               "no-clipping": ([*local, "loop.grad_clip_norm=null"], None)}, LM)
+    return {name: (run.losses, run.state, run.manifest) for name, run in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(one_process: dict) -> tuple[np.ndarray, dict[str, np.ndarray], dict]:
+    return one_process["reference"]
+
+
+class TwoRanks:
+    """Each backend's 2-rank run, trained with its family's (torch's own, DeepSpeed) in one launch on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.runs = root, {}
+
+    def __getitem__(self, name: str) -> tuple[np.ndarray, dict[str, np.ndarray], dict, Path]:
+        if name not in self.runs:
+            family = [n for n in BACKENDS if n.startswith("zero") == name.startswith("zero")]
+            runs = trained_runs(self.root, 2, {n: ([*BACKENDS[n], "data.batch_size=8"], None) for n in family}, LM)
+            for n, run in runs.items():
+                assert not run.left_behind, run.left_behind
+                self.runs[n] = (run.losses, run.state, run.manifest, self.root / n)
+        return self.runs[name]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> TwoRanks:
+    return TwoRanks(tmp_path_factory.mktemp("two-ranks"))
 
 
 def weight_difference(state: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
@@ -83,9 +114,9 @@ def plain_model_accuracy(state: dict[str, np.ndarray], manifest: dict) -> float:
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_two_ranks_match_local(name: str, reference: tuple, tmp_path: Path) -> None:
+def test_two_ranks_match_local(name: str, reference: tuple, two_ranks: TwoRanks, tmp_path: Path) -> None:
     ref_losses, ref_state, ref_manifest = reference
-    losses, state, manifest = trained(tmp_path, [*BACKENDS[name], "data.batch_size=8"], nproc=2)
+    losses, state, manifest, out = two_ranks[name]
     assert len(losses) == len(ref_losses) == STEPS
     assert manifest["backend"] == next(s.partition("=")[2] for s in BACKENDS[name] if s.startswith("backend="))
     assert len(set(manifest["rank_state_digests"])) == 1, "ranks exported different weights"
@@ -101,23 +132,23 @@ def test_two_ranks_match_local(name: str, reference: tuple, tmp_path: Path) -> N
     assert manifest["val_accuracy"] == pytest.approx(ref_manifest["val_accuracy"], abs=2e-3)
 
     if manifest["backend"] == "deepspeed":
-        config = json.loads((tmp_path / "deepspeed_config.json").read_text())
+        config = json.loads((out / "deepspeed_config.json").read_text())
         assert config["zero_optimization"]["stage"] == int(name[-1])
         assert (config["gradient_clipping"], config["gradient_accumulation_steps"]) == (0.5, 2)
         assert config["train_micro_batch_size_per_gpu"] == 8 and config["train_batch_size"] == 32
         from polytrain.checkpoint.export import export_deepspeed
 
-        exported = export_deepspeed(tmp_path / "deepspeed_checkpoint", tmp_path / "exported", trust=True)
+        exported = export_deepspeed(out / "deepspeed_checkpoint", tmp_path / "exported", trust=True)
         native, _ = read_model(exported.parent)
         assert set(native) == set(state)
         for key in state:
             np.testing.assert_array_equal(native[key], state[key], err_msg=key)
 
 
-def test_clipping_changes_the_run(reference: tuple, tmp_path: Path) -> None:
+def test_clipping_changes_the_run(one_process: dict) -> None:
     """Without clipping the same run differs: the parity above covers clipping, not just the loss."""
-    ref_losses, ref_state, _ = reference
-    losses, state, _ = trained(tmp_path, ["backend=local", "data.batch_size=16", "loop.grad_clip_norm=null"], nproc=1)
+    ref_losses, ref_state, _ = one_process["reference"]
+    losses, state, _ = one_process["no-clipping"]
     assert np.max(np.abs(losses - ref_losses) / ref_losses) > 1e-3
     assert weight_difference(state, ref_state) > 1e-2
 
@@ -130,8 +161,10 @@ def test_zero3_checkpoint_resumes_on_zero3_and_fsdp(tmp_path: Path) -> None:
     full_losses, full_state, _ = trained(tmp_path / "full", [*adam, *zero3, "checkpoint.every_n_epochs=1"], nproc=2)
     first_epoch = sorted((tmp_path / "full" / "checkpoints").glob("step-*"))[0]
     resumed = len(full_losses) // 2
-    for name, backend in (("zero3", zero3), ("fsdp", ["backend=fsdp"])):
-        losses, state, manifest = trained(tmp_path / name, [*adam, *backend], nproc=2, resume=first_epoch)
+    runs = trained_runs(tmp_path, 2, {"zero3": ([*adam, *zero3], first_epoch),
+                                      "fsdp": ([*adam, "backend=fsdp"], first_epoch)}, LM)
+    for name, run in runs.items():
+        losses, state, manifest = run.losses, run.state, run.manifest
         assert len(losses) == len(full_losses) - resumed and manifest["global_step"] == len(full_losses)
         np.testing.assert_allclose(losses, full_losses[resumed:], rtol=TOLERANCE)
         if name == "zero3":

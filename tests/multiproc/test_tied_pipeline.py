@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import one_model_on_every_rank, trained_run
+from procs import one_model_on_every_rank, trained_runs
 from safetensors.numpy import load_file
 from specs import PARITY_TRAINING, TOKENS, as_sets, lm, merged
 
@@ -43,12 +43,6 @@ P2D2_FSDP = ["backend=fsdp", "parallel.pipeline=2"]
 GRID = ["backend=fsdp", "parallel.pipeline=2", "parallel.tensor=2"]  # at 8 ranks: data 2
 
 
-def trained(out: Path, nproc: int, changes: list[str], resume: Path | None = None) -> tuple[np.ndarray, dict]:
-    run = trained_run(out, [*TIED, *changes], nproc=nproc, resume=resume, timeout=600)
-    one_model_on_every_rank(run, nproc, " ".join(changes))
-    return run.losses, run.state
-
-
 def within(losses: np.ndarray, state: dict, ref_losses: np.ndarray, ref_state: dict) -> tuple[float, float]:
     assert set(state) == set(ref_state)
     np.testing.assert_array_equal(state["head.weight"], state["tok_emb.weight"])  # still one weight
@@ -68,11 +62,27 @@ def optimizer_file(out: Path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray, dict]]:
-    done = {}
-    for name, nproc, changes in (("one", 1, ["backend=ddp"]), ("p2", 2, P2), ("p2t2", 4, P2T2), ("p4", 4, P4), ("grid", 8, GRID),
-                                  *((name, 2, sets) for name, sets in SCHEDULES.items())):
-        out = tmp_path_factory.mktemp(name)
-        done[name] = (out, *trained(out, nproc, changes))
+    """Every run of the file, one launch per world size in the order their checkpoints need
+    (`procs.trained_runs`): one process; the grid at 8; at 4 ranks P=2 × T=2, P=4 and the resumes of the one
+    process's checkpoint at P=2 × D=2 over FSDP and of the grid's at D=4; at 2 ranks P=2 and the zero-bubble
+    schedules; one process resuming P=2's and the grid's. Every run left no process and
+    ended with the same full model on every rank (`procs.one_model_on_every_rank`)."""
+    root = tmp_path_factory.mktemp("tied")
+    done: dict[str, tuple[Path, np.ndarray, dict]] = {}
+    plans = (
+        (1, lambda: {"one": (["backend=ddp"], None)}),
+        (8, lambda: {"grid": (GRID, None)}),
+        (4, lambda: {"p2t2": (P2T2, None), "p4": (P4, None), "p2d2-fsdp-from-one": (P2D2_FSDP, saved(root / "one")),
+                     "fsdp-d4-from-grid": (["backend=fsdp"], saved(root / "grid"))}),
+        (2, lambda: {"p2": (P2, None), **{name: (sets, None) for name, sets in SCHEDULES.items()}}),
+        (1, lambda: {"one-from-p2": (["backend=ddp"], saved(root / "p2")),
+                     "one-from-grid": (["backend=ddp"], saved(root / "grid"))}),
+    )
+    for nproc, plan in plans:
+        plan = plan()
+        for name, run in trained_runs(root, nproc, plan, TIED).items():
+            one_model_on_every_rank(run, nproc, " ".join(plan[name][0]))
+            done[name] = (root / name, run.losses, run.state)
     return done
 
 
@@ -100,28 +110,26 @@ def test_a_tied_model_trains_in_each_layout_like_one_process(layout: str, runs: 
     assert loss_rel < 1e-5 and weight_rel < 1e-5
 
 
-def test_the_one_process_checkpoint_resumes_tied_at_pipeline2_over_fsdp(runs: dict, tmp_path: Path) -> None:
-    source, ref_losses, ref_state = runs["one"]
-    losses, state = trained(tmp_path, 4, P2D2_FSDP, resume=saved(source))
+def test_the_one_process_checkpoint_resumes_tied_at_pipeline2_over_fsdp(runs: dict) -> None:
+    _, ref_losses, ref_state = runs["one"]
+    _, losses, state = runs["p2d2-fsdp-from-one"]
     assert len(losses) == STEPS - SAVED
     loss_rel, weight_rel = within(losses, state, ref_losses[SAVED:], ref_state)
     print(f"\ntied fsdp × pipeline2 (resumed): losses within {loss_rel:.1e}, weights within {weight_rel:.1e}")
     assert loss_rel < 1e-5 and weight_rel < 1e-5
 
 
-def test_the_pipeline2_checkpoint_resumes_tied_on_one_process(runs: dict, tmp_path: Path) -> None:
+def test_the_pipeline2_checkpoint_resumes_tied_on_one_process(runs: dict) -> None:
     _, ref_losses, ref_state = runs["one"]
-    source = runs["p2"][0]
-    losses, state = trained(tmp_path, 1, ["backend=ddp"], resume=saved(source))
+    _, losses, state = runs["one-from-p2"]
     loss_rel, weight_rel = within(losses, state, ref_losses[SAVED:], ref_state)
     assert loss_rel < 1e-5 and weight_rel < 1e-5
 
 
-@pytest.mark.parametrize(("nproc", "changes"), [(1, ["backend=ddp"]), (4, ["backend=fsdp"])], ids=["one", "fsdp-d4"])
-def test_the_full_grid_checkpoint_resumes_on_one_process_and_at_d4(nproc: int, changes: list[str], runs: dict,
-                                                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize("resumed", ["one-from-grid", "fsdp-d4-from-grid"], ids=["one", "fsdp-d4"])
+def test_the_full_grid_checkpoint_resumes_on_one_process_and_at_d4(resumed: str, runs: dict) -> None:
     _, ref_losses, ref_state = runs["one"]
-    losses, state = trained(tmp_path, nproc, changes, resume=saved(runs["grid"][0]))
+    _, losses, state = runs[resumed]
     assert len(losses) == STEPS - SAVED
     loss_rel, weight_rel = within(losses, state, ref_losses[SAVED:], ref_state)
     assert loss_rel < 1e-5 and weight_rel < 1e-5
