@@ -38,11 +38,24 @@ def _weight(item: pytest.Item) -> int:
     return 1 + 20 * multiproc + 20 * (item.get_closest_marker("slow") is not None)
 
 
+_CONFIG: list[pytest.Config] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """xdist would hand the groups out largest (by number of tests) first, which puts a heavy file of a few
     multi-process tests behind every table of quick cases: keep the order the collection hook made."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    _CONFIG[:] = [config]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A failure is named on its own line when it happens (scripts/test.sh runs quietly: a run cut short by CI's
+    time limit would otherwise end on dots, with no name for what failed); the summary still lists them all."""
+    if report.failed and _CONFIG:
+        terminal = _CONFIG[0].pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:
+            terminal.write_line(f"\nFAILED ({report.when}) {report.nodeid}")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

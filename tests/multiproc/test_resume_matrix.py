@@ -2,13 +2,14 @@
 
 One job everywhere: the digits MLP (hidden [64]), Adam, a global batch of 64 whatever the world
 size (so every world size takes the same steps), 20 steps, a checkpoint at step 10. Each source
-backend runs it once through ``polytrain train``; its losses at steps 11–20 are the reference.
+backend runs it once (the 2-rank torchrun sources of one family in one launch of ``resume_worker.py``);
+its losses at steps 11–20 are the reference.
 Each target backend then resumes from *every* source's step-10 checkpoint (its own too) in one
 launch (``resume_worker.py``: a process start costs seconds, DeepSpeed's import alone several) and
 must continue at step 11 with the source's per-step losses within 1e-5 relative, the source's final
 weights and its validation accuracy. Adam's moments must carry over: the same resume with them
 zeroed misses the reference by far more than the tolerance (checked once: by ~3e-2). Measured on a
-shared 2-core machine: the whole file in 6-7.5 minutes (15 launches for the matrix, 5 more for the rest);
+shared 2-core machine: the whole file in 6-7.5 minutes (12 launches for the matrix, 5 more for the rest);
 losses and weights agree to ~2e-7 relative, bit for bit between the 2-rank backends (printed with -s).
 
 Cross-framework: a PyTorch checkpoint resumes in TensorFlow (and the reverse) with the writer's
@@ -111,7 +112,8 @@ class Run:
 
 
 class Sources:
-    """Each source backend's run, trained on first use and kept for the module."""
+    """Each source backend's run, trained on first use and kept for the module; the 2-rank torchrun sources of
+    one family (torch's own and the Horovod shim; DeepSpeed) in one launch of ``resume_worker.py``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -119,9 +121,17 @@ class Sources:
 
     def __getitem__(self, name: str) -> Run:
         if name not in self.runs:
-            out = self.root / name
-            trained(SOURCES[name], out, [f"checkpoint.every_n_steps={SAVED}"])
-            self.runs[name] = Run.read(out)
+            job = SOURCES[name]
+            if job.launcher == "torchrun":  # with its family's other torchrun sources, in one launch
+                family = {n: self.root / n for n, j in SOURCES.items() if j.launcher == "torchrun"
+                          and (j.backend == "deepspeed") == (job.backend == "deepspeed")}
+                check(run(command("torchrun", [WORKER, json.dumps({"sets": COMMON, "runs": [
+                    {"sets": [*SOURCES[n].sets, f"checkpoint.every_n_steps={SAVED}"], "output": str(out)}
+                    for n, out in family.items()]})], job.nproc), env=job_env(job.env()), timeout=500))
+                self.runs.update({n: Run.read(out) for n, out in family.items()})
+            else:
+                trained(job, self.root / name, [f"checkpoint.every_n_steps={SAVED}"])
+                self.runs[name] = Run.read(self.root / name)
         return self.runs[name]
 
 
