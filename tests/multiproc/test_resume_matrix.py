@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import check, command, job_env, losses_by_step, read_metrics, run, train
+from procs import check, command, job_env, losses_by_step, read_metrics, run, train, trained_runs
 
 from polytrain.checkpoint import store as ckpt
 
@@ -125,9 +125,8 @@ class Sources:
             if job.launcher == "torchrun":  # with its family's other torchrun sources, in one launch
                 family = {n: self.root / n for n, j in SOURCES.items() if j.launcher == "torchrun"
                           and (j.backend == "deepspeed") == (job.backend == "deepspeed")}
-                check(run(command("torchrun", [WORKER, json.dumps({"sets": COMMON, "runs": [
-                    {"sets": [*SOURCES[n].sets, f"checkpoint.every_n_steps={SAVED}"], "output": str(out)}
-                    for n, out in family.items()]})], job.nproc), env=job_env(job.env()), timeout=500))
+                trained_runs(self.root, job.nproc, {n: ([*SOURCES[n].sets, f"checkpoint.every_n_steps={SAVED}"], None)
+                                                    for n in family}, COMMON, timeout=500)
                 self.runs.update({n: Run.read(out) for n, out in family.items()})
             else:
                 trained(job, self.root / name, [f"checkpoint.every_n_steps={SAVED}"])
