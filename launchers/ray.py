@@ -131,9 +131,30 @@ def ray_session(ray: Any, address: str | None, workers: int, *, worker_output: b
     try:
         yield
     finally:
+        started = _descendants() if temp is not None else []
         ray.shutdown()
         if temp is not None:
+            _end(started)
             shutil.rmtree(temp, ignore_errors=True)
+
+
+def _descendants() -> list[Any]:
+    """The processes this one started and their children: a local Ray's (raylet, GCS, its workers)."""
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def _end(processes: list[Any], wait_s: float = 10.0) -> None:
+    """Wait for a local Ray's processes to end, and kill what is left: `ray.shutdown` returns before its workers
+    (a placement-group cleaner, say) have exited, and a loaded machine kept one running past the job's end."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=wait_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
 def _connect(ray: Any, address: str | None, workers: int, worker_output: bool, env: dict[str, str]) -> str | None:
