@@ -40,6 +40,7 @@ from polytrain.errors import LaunchError
 from polytrain.launchers.base import Launcher, LaunchRequest, launch_spec
 
 LOOPBACK = "127.0.0.1"
+RAY_NICENESS = "RAY_worker_niceness"  # the niceness Ray gives its worker processes (15 by default)
 INSTALL_HINT = "pip install 'polytrain[ray]'"
 
 
@@ -173,6 +174,10 @@ def _connect(ray: Any, address: str | None, workers: int, worker_output: bool, e
         return None
     cpus = max(workers, os.cpu_count() or 1)  # logical CPUs: one per worker, even on a smaller machine
     temp = tempfile.mkdtemp(prefix="polytrain-ray-")  # short: Ray's socket paths live under it
+    # Ray starts its workers at nice 15, and the ranks they run inherit it: beside any other busy process the job
+    # would get a sliver of the CPU. A local Ray is the job's own, so its ranks run at the launcher's priority, as
+    # under torchrun (a value the user set is kept).
+    os.environ.setdefault(RAY_NICENESS, "0")
     ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING", log_to_driver=worker_output,
              _node_ip_address=LOOPBACK, _temp_dir=temp)
     return temp

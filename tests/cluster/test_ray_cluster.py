@@ -51,7 +51,11 @@ def ray_on(cluster, tmp_path: Path, **env: str) -> Iterator[dict[str, str]]:
     token = tmp_path / "ray_token"
     token.write_text(secrets.token_hex(32))
     os.chmod(token, 0o600)
-    env = cluster.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_DEDUP_LOGS="0", **env)
+    # RAY_worker_niceness=0: Ray runs its workers (and so the job's ranks) at nice 15, which on a dedicated node
+    # costs nothing; these nodes share the CPUs with the rest of the suite, whose processes would starve them (the
+    # job then never reached its first epoch: CI, and a run beside two busy loops)
+    env = cluster.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_DEDUP_LOGS="0",
+                      RAY_worker_niceness="0", **env)
     head, *others = cluster.hosts
     common = ["--num-cpus=1", "--disable-usage-stats"]
     temp = tempfile.mkdtemp(prefix="ptray-")  # short: Ray's socket paths live under it

@@ -14,6 +14,7 @@ newest checkpoint there and go on from its step to the end.)
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def train(backend: str, out: str, fail_rank: int = -1) -> None:
             json.dump({"backend": dist.backend_name, "label": dist.backend.label, "launcher": dist.world.launcher,
                        "world": dist.world_size, "refused": refused, "losses": losses, "norms": norms,
                        "weights": {k: v.flatten().tolist() for k, v in state.items()}, "threads_left": left,
-                       "after_end": after}, f)
+                       "after_end": after, "niceness": os.nice(0)}, f)
 
 
 def after_the_job(model: torch.nn.Module, backend: str) -> str:

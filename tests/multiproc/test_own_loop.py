@@ -9,6 +9,7 @@ cross backends, world sizes and the Trainer; fp16 skips an overflowed update on 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -116,6 +117,8 @@ def run_under_launcher(one_process: dict, tmp_path: Path, case: str) -> None:
         pytest.importorskip("ray.train")
     got = loop_run(tmp_path, backend, launcher, 2, env)
     assert (got["launcher"], got["label"]) == (world_launcher, label)
+    # a rank runs at the launcher's priority (Ray would start it at nice 15: the local Ray is the job's own)
+    assert got["niceness"] == os.nice(0), got["niceness"]
     assert_equals_one_process(got, one_process, backend)
 
 
