@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from polytrain.errors import TrainingFailure, UserError
+from polytrain.errors import Preempted, TrainingFailure, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -364,6 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(failure_text(exc) + "\n")
         sys.stderr.flush()
         abort_mpi_job(exc.exit_code)
+        return exc.exit_code
+    except Preempted as exc:  # every rank stopped at the same step, its checkpoint settled: no MPI abort
+        _exit_board(exc.exit_code, exc)
+        if exc.show:
+            sys.stderr.write(f"polytrain: {exc}\n")
+            sys.stderr.flush()
         return exc.exit_code
     except BrokenPipeError:  # e.g. `polytrain checkpoint inspect X | head`: before Exception, its base class
         _exit_board(0)

@@ -59,6 +59,17 @@ class TrainingFailure(Exception):
         return redact_text(super().__str__())
 
 
+class Preempted(Exception):
+    """A signal stopped the run at a step every rank agreed on, its checkpoint written (the spec's ``preemption``
+    table): not a failure, not a success. Exit code 75 (resumable); rank 0 prints the one line."""
+
+    exit_code = 75
+
+    def __init__(self, message: str, show: bool = True) -> None:
+        super().__init__(message)
+        self.show = show
+
+
 # How gloo, NCCL and torch.distributed word a lost or stalled peer.
 PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
                         "Broken pipe", "Timed out", "timed out", "NCCL communicator was aborted",

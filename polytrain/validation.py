@@ -24,6 +24,7 @@ from polytrain.spec import schema as schema
 from polytrain.spec import zoo as zoo
 from polytrain.spec.elastic import check_elastic
 from polytrain.spec.files import apply_overrides, load_raw
+from polytrain.spec.preemption import check_preemption
 from polytrain.spec.sinks import check_profile
 from polytrain.spec.tables import MAX_IMAGE_SIDE, DataSpec, TrainSpec, parse
 
@@ -60,6 +61,8 @@ def check(spec: TrainSpec, *, validate_components: bool = True) -> None:
         check_profile(spec.profile)
     if spec.elastic is not None:
         check_elastic(spec.elastic, spec.framework, spec.backend)
+    if spec.preemption is not None:
+        check_preemption(spec.preemption)
     _check_backend_options(spec)
     _check_torch_only(spec)
     layout.check_spec(spec.parallel, framework=spec.framework, backend=spec.backend,

@@ -21,6 +21,7 @@ from polytrain.spec import schema as schema
 from polytrain.spec.backend_options import DeepSpeedSpec, FSDPSpec, HorovodSpec
 from polytrain.spec.elastic import ElasticSpec
 from polytrain.spec.layout import ParallelSpec
+from polytrain.spec.preemption import PreemptionSpec
 from polytrain.spec.schema import rule
 from polytrain.spec.sinks import LoggingSpec, ProfileSpec
 
@@ -240,6 +241,7 @@ class TrainSpec:
     logging: LoggingSpec = field(default_factory=LoggingSpec)
     profile: ProfileSpec | None = None
     elastic: ElasticSpec | None = None  # in-place recovery from a lost rank (polytrain.spec.elastic)
+    preemption: PreemptionSpec | None = None  # a signal stops the run at a step boundary (polytrain.spec.preemption)
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         """The spec as plain data, as it is written (manifests, ``model.json``), logged (trackers) and hashed
@@ -252,7 +254,7 @@ class TrainSpec:
         """A short hash of everything that defines the training (not where it writes, nor a credential: one
         changed password resumes the same run, and no manifest holds a hash of one)."""
         payload = self.to_dict()
-        for key in ("output", "checkpoint", "reliability", "logging", "profile", "elastic"):
+        for key in ("output", "checkpoint", "reliability", "logging", "profile", "elastic", "preemption"):
             payload.pop(key, None)
         return schema.digest(payload)
 

@@ -84,9 +84,10 @@ class RunCheckpoints:
 
     @property
     def enabled(self) -> bool:
-        """Whether this run writes resumable checkpoints (and so leaves its final state resumable)."""
+        """Whether this run writes resumable checkpoints (and so leaves its final state resumable): a run with a
+        ``preemption`` table does, at the step it stops at if at no other."""
         ck = self.spec.checkpoint
-        return bool(ck.every_n_steps or ck.every_n_epochs or ck.save_last)
+        return bool(ck.every_n_steps or ck.every_n_epochs or ck.save_last or self.spec.preemption is not None)
 
     # ------------------------------------------------------------------ the start
     def begin(self, resume: str | None, *, accept_changed_data: bool = False, overwrite: bool = False) -> Start:

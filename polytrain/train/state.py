@@ -83,10 +83,11 @@ class Steps:
 
 
 class LossWindow:
-    """The losses summed since the last step record, their samples, and when the window opened."""
+    """The losses summed since the last step record, their samples, and when the window opened; the third sum
+    counts the ranks asked to stop (`polytrain.train.preemption`), set when the window closes."""
 
     def __init__(self) -> None:
-        self.sums = np.zeros(2)
+        self.sums = np.zeros(3)
         self.opened = time.perf_counter()
         self.pending: Callable[[], np.ndarray] = lambda: self.sums  # the reduced sums, once a step closes it
 

@@ -15,13 +15,10 @@ Its checkpoints are `polytrain.train.checkpoints`, its callbacks `polytrain.trai
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from polytrain import registry
 from polytrain.checkpoint import files as cf
@@ -30,7 +27,7 @@ from polytrain.checkpoint.files import check_writable_dir
 from polytrain.checkpoint.fingerprint import fingerprint
 from polytrain.comm.agree import check_ranks_agree, check_replicas_agree, library_versions
 from polytrain.comm.settle import settled
-from polytrain.data import Data, StepPlan, epoch_plan, eval_shard, global_batch_size, steps_per_epoch
+from polytrain.data import Data, StepPlan, epoch_plan, global_batch_size, steps_per_epoch
 from polytrain.data.prefetch import Batch, Prefetcher, load_transform
 from polytrain.environments import detect_world
 from polytrain.errors import TrainingFailure, is_peer_failure, peer_failure_detail
@@ -45,6 +42,8 @@ from polytrain.spec.tables import TrainSpec
 from polytrain.train.callbacks import RunHooks, set_up_callbacks
 from polytrain.train.checkpoints import RunCheckpoints, Start
 from polytrain.train.elastic import ElasticRun
+from polytrain.train.evaluation import evaluate
+from polytrain.train.preemption import NO_STOP, StepStop, start_stop
 from polytrain.train.state import LossWindow, Position, Steps, TrainResult
 from polytrain.world import World
 
@@ -92,6 +91,7 @@ class Trainer:
         self.trackers = Trackers()  # rank 0's W&B/MLflow runs (logging.wandb, logging.mlflow), once started
         self.profiler: Profiler = NO_PROFILER
         self.elastic: ElasticRun | None = None  # under polytrain's elastic driver: commits, recovery in place
+        self.stop: StepStop = NO_STOP  # the preemption table's: a signal stops the run at an agreed step
 
     def fit(self) -> TrainResult:
         spec, world = self.spec, self.world
@@ -99,6 +99,7 @@ class Trainer:
         self.backend = self.backend_factory(spec, world, timeline=self.timeline, activity=self.activity)
         is_main = world.rank == 0
         try:  # from here on the backend is torn down whatever happens (a failed setup included)
+            self.stop = start_stop(spec.preemption, world.rank, spec.checkpoint_dir)  # a signal in start-up counts
             self.backend.setup()  # then the watchdog: the ranks wait for a slow rank 0 by its heartbeat (settled)
             times = spec.reliability.stall_warning_s, spec.reliability.collective_timeout_s
             self.watchdog = start_watchdog(self.backend, world.rank, world.size, self.activity, *times,
@@ -139,6 +140,8 @@ class Trainer:
             self.elastic = ElasticRun.of(self)
             result = self.elastic.run(lambda at: self._loop(data, at), start) if self.elastic else self._loop(data, start)
             self.checkpoints.settle()  # the last background checkpoint write, done and known to every rank
+            if self.stop.stopped:  # preempted: its checkpoint settled, no final model (the run goes on later)
+                raise self.stop.end(self.checkpoints.last_saved)
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
@@ -210,7 +213,7 @@ class Trainer:
         the log, the data threads, the framework's hold on the wrapped model (DDP, FSDP, DeepSpeed keep the process
         group through it), the backend's groups and stores (a live gloo thread at exit aborts the process). Every
         step runs; the first failure is raised afterwards, unless `fit` is already ``raising``."""
-        ends = (self.checkpoints and self.checkpoints.abandon, self.watchdog and self.watchdog.close,
+        ends = (self.checkpoints and self.checkpoints.abandon, self.stop.close, self.watchdog and self.watchdog.close,
                 self.profiler.close, lambda: self.trackers.finish(failed=raising), self.log.close,
                 self.prefetcher.close if self.prefetcher is not None else None,
                 self.framework.release if self.framework is not None else None, self.backend.teardown)
@@ -232,7 +235,7 @@ class Trainer:
         here = start  # where the loop stands, for saves
         self.hooks.callbacks.call("on_train_start")
         for epoch in range(start.epoch, self.spec.loop.epochs):
-            if here.step >= self.steps.total or self.hooks.stopped_early:
+            if here.step >= self.steps.total or self.hooks.stopped_early or self.stop.due(here.step):
                 break
             here, going_on = self._epoch(data, epoch, here, result)
             if not going_on:
@@ -269,6 +272,9 @@ class Trainer:
             self.hooks.callbacks.call("on_step_end", here.step, logs)
             if self.elastic is not None:
                 self.elastic.after_step(here)
+            if self.stop.due(here.step) and i + 1 < steps.per_epoch:  # preempted: `_loop` saves, no evaluation
+                batches.close()
+                return here, False
             if every_steps and here.step % every_steps == 0 and i + 1 < steps.per_epoch:
                 self.checkpoints.save(here)
         batches.close()
@@ -305,10 +311,11 @@ class Trainer:
         for m, (x, y) in enumerate(micro_batches):
             with timeline.span("micro-step", "compute", step=number, micro=m, samples=len(x)):
                 loss_sum = fw.train_micro_step(x, y, scale, sync=m == last)
-            window.sums += (loss_sum * counts, len(x) * counts)
+            window.sums[:2] += (loss_sum * counts, len(x) * counts)
         lr = self.steps.lr(number - 1, self.spec)
         self.activity.set("the optimizer step", step=number)
-        if closes:  # the collective overlaps the optimizer step rather than adding its latency to the step
+        if closes:  # the collective overlaps the optimizer step rather than adding its latency to the step; it
+            window.sums[2] = self.stop.asked  # also counts the ranks asked to stop (`polytrain.train.preemption`)
             window.pending = self.backend.start_all_reduce(window.sums)
         with timeline.span("optimizer step", "optimizer", step=number):
             if self.check_finite and not fw.grads_finite():
@@ -323,7 +330,8 @@ class Trainer:
     def _report(self, window: LossWindow, here: Position, lr: float, result: TrainResult) -> float:
         """Close the logging window at ``here``: its loss averaged over every shard's samples, the step record
         and the progress line. Returns the loss."""
-        loss_total, count = window.pending()
+        loss_total, count, signalled = window.pending()
+        self.stop.heard(signalled, here.step)
         elapsed = time.perf_counter() - window.opened
         loss = float(loss_total / max(count, 1))  # plain Python numbers in records and the result, not numpy's
         speed = float(count / elapsed) if elapsed > 0 else 0.0
@@ -359,21 +367,8 @@ class Trainer:
         return stopping.stopped
 
     def _evaluate(self, data: Data, epoch: int) -> tuple[float, dict[str, float]]:
-        """Each rank evaluates its shard in the same number of batches; the (sum, count) pair of the loss
-        and of every metric is all-reduced before dividing (`polytrain.spec.objectives.reduce`)."""
         self.activity.set("evaluation")
-        shard, batch = self.steps.shard, self.spec.data.batch_size
-        metrics = objectives.metric_names(self.spec.metrics, data.info.task)
-        names = ("loss", *objectives.computed(metrics))
-        mine = eval_shard(len(data.val), shard.count, shard.index)
-        n_batches = max(1, math.ceil(math.ceil(len(data.val) / shard.count) / batch))
-        totals = np.zeros((len(names), 2))
-        for x, y in self.prefetcher.batches(data.val, np.array_split(mine, n_batches), epoch):
-            batch_totals = self.framework.evaluate(x, y)  # every rank: a layout's forward is collective
-            if shard.reports:
-                totals += [batch_totals[name] for name in names]
-        reduced = self.backend.all_reduce(totals.reshape(-1)).reshape(len(names), 2)
-        return objectives.reduce(dict(zip(names, map(tuple, reduced))), metrics)
+        return evaluate(self.framework, self.backend, self.prefetcher, data, self.spec, self.steps.shard, epoch)
 
     # ------------------------------------------------------------------ reliability
     def _nonfinite(self, step: int) -> None:
