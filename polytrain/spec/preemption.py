@@ -15,11 +15,11 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from polytrain.errors import SpecError
+from polytrain.errors import Preempted, SpecError
 from polytrain.spec.schema import rule
 
 #: the exit code of a run stopped by a signal, resumable (sysexits' EX_TEMPFAIL: "try again later")
-PREEMPTED_EXIT = 75
+PREEMPTED_EXIT = Preempted.exit_code
 #: signals a run cannot take over: SIGKILL and SIGSTOP are never delivered to a handler, SIGINT is Ctrl-C's
 UNHANDLED = ("SIGKILL", "SIGSTOP", "SIGINT")
 

@@ -43,13 +43,13 @@ class StepStop:
         self.stopped_at: int | None = None  # the step the run stopped after
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
-        self.newest_checkpoint: Callable[[], str] = lambda: "the newest complete checkpoint"
+        self.checkpoint_dir: Any = "checkpoint.dir"  # named when the grace time runs out
 
     def install(self, checkpoint_dir: Any = "checkpoint.dir", environ: Mapping[str, str] = os.environ) -> StepStop:
         """Handle the table's signals from now on (main thread only: elsewhere a line says they are not)."""
         if self.spec is None:
             return self
-        self.newest_checkpoint = lambda: f"the newest complete checkpoint in {checkpoint_dir}"
+        self.checkpoint_dir = checkpoint_dir
         check_requeue(self.spec, environ)
         try:
             for number in signal_numbers(self.spec.signals):
@@ -69,8 +69,8 @@ class StepStop:
 
     def _out_of_time(self) -> None:
         self.emit(f"polytrain: rank {self.rank}: preempted by {self.signal}: the stop did not end within "
-                  f"preemption.grace_s={self.spec.grace_s:g} s; {self.newest_checkpoint()} stays the one to resume "
-                  f"from (exit code {PREEMPTED_EXIT})")
+                  f"preemption.grace_s={self.spec.grace_s:g} s; the newest complete checkpoint in {self.checkpoint_dir} "
+                  f"stays the one to resume from (exit code {PREEMPTED_EXIT})")
         self.exit_now(PREEMPTED_EXIT)
 
     @property

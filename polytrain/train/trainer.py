@@ -274,6 +274,7 @@ class Trainer:
                 self.elastic.after_step(here)
             if self.stop.due(here.step) and i + 1 < steps.per_epoch:  # preempted: `_loop` saves, no evaluation
                 batches.close()
+                self.progress.end_epoch()
                 return here, False
             if every_steps and here.step % every_steps == 0 and i + 1 < steps.per_epoch:
                 self.checkpoints.save(here)
