@@ -105,9 +105,13 @@ class StepStop:
                          f"written at step {saved_step}; resume with --resume auto{requeued}", show=self.rank == 0)
 
     def close(self) -> None:
-        """The previous handlers back, and no grace timer (the stop ended in time)."""
+        """No grace timer (the stop ended in time), and the previous handlers back, unless the run stopped: then
+        this process is on its way out with `PREEMPTED_EXIT`, and a signal that comes meanwhile changes nothing
+        (under torchrun, the agent SIGTERMs the ranks still tearing down once the first has exited)."""
         if self._timer is not None:
             self._timer.cancel()
+        if self.stopped:
+            return
         for number, previous in self._previous.items():
             signal.signal(number, previous)
         self._previous.clear()

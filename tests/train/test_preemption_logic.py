@@ -38,6 +38,24 @@ def test_a_signal_is_noted_once_and_the_handlers_are_put_back() -> None:
     assert signal.getsignal(signal.SIGUSR2) is before
 
 
+def test_after_a_stop_the_handler_stays_till_the_exit_and_a_late_signal_changes_nothing() -> None:
+    """Under torchrun the first rank to exit 75 makes the agent SIGTERM the others while they tear down: they must
+    still end with 75, not die of the signal (found by 5 loaded rounds of tests/multiproc/test_preemption.py)."""
+    before = signal.getsignal(signal.SIGUSR2)
+    exits: list[int] = []
+    stop = StepStop(PreemptionSpec(signals=("SIGUSR2",), grace_s=3600), rank=1, exit_now=exits.append).install()
+    try:
+        stop.heard(1.0, 8)  # another rank's signal
+        assert stop.due(8)
+        stop.close()
+        signal.raise_signal(signal.SIGUSR2)  # the agent's, during teardown
+        assert stop.signal == "SIGUSR2" and exits == []
+    finally:
+        stop.stopped_at = None
+        stop.close()
+    assert signal.getsignal(signal.SIGUSR2) is before
+
+
 def test_outside_the_main_thread_the_signals_stay_as_they_were_and_a_line_says_so() -> None:
     lines: list[str] = []
     before = signal.getsignal(signal.SIGUSR2)
