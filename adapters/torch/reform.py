@@ -5,7 +5,8 @@ lives on it under ``polytrain/elastic/pg/N``. A worker re-forms in place (docs/D
 driver"; measured facts in the research notes on re-forming gloo):
 
 1. `prepare` once, before any group: imports that would otherwise pin the first group for ever
-   (``torch.distributed.nn``'s defaults hold ``group.WORLD``), and ``gc.freeze`` so later collections are short.
+   (``torch.distributed.nn``'s defaults hold ``group.WORLD``), ``gc.freeze`` so later collections are short,
+   and an exit hook that destroys a group still formed (else gloo's threads abort the exit: code 134).
 2. `init` (membership, assignment): the default group of that version, rank and size.
 3. On a failed collective (`is_peer_loss`): drop every holder of the group (DDP/FSDP wrappers, engines,
    optimizer wrappers, Work handles, the exception and its traceback), then `release`: destroy the group,
@@ -18,6 +19,7 @@ Only gloo (CPU) groups are formed here; on CUDA the NCCL path belongs to the cal
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 from datetime import timedelta
@@ -54,7 +56,18 @@ def prepare() -> None:
 
     gc.collect()
     gc.freeze()
+    atexit.register(_release_at_exit)
     _prepared = True
+
+
+def _release_at_exit() -> None:
+    """Destroy a group still formed at exit while the interpreter is whole: a worker that returns an exit code
+    with its group alive otherwise leaves gloo's threads running into finalisation, and the process aborts
+    ("terminate called without an active exception", exit code 134) instead of exiting with its code."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init(membership: Membership, assignment: Assignment, timeout_s: float | None = None) -> None:
