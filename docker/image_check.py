@@ -304,7 +304,6 @@ def checks() -> dict[str, Callable[[Runner], str]]:
     return {
         "info": check_info,
         "torchrun": lambda run: trained(run, "torchrun", "torchrun", "torch", "ddp"),
-        "mpirun": lambda run: trained(run, "mpirun", "mpirun", "torch", "ddp"),
         "horovodrun": lambda run: trained(run, "horovodrun", "horovodrun", "torch", "horovod", auto=False),
         "tensorflow": lambda run: trained(run, "tensorflow", "mpirun", "tensorflow", "mpi"),
         "tf-horovod": lambda run: trained(run, "tf-horovod", "horovodrun", "tensorflow", "horovod", auto=False),

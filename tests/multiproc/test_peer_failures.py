@@ -118,8 +118,8 @@ def test_under_mpirun_a_stalled_rank_is_named_too(tmp_path: Path, framework: str
     if backend == "horovod" and _import_error("horovod.tensorflow") is not None:
         pytest.skip("Horovod's TensorFlow ops are not built here")
     model = "faulty_model:make" if framework == "torch" else "faulty_keras:make"
-    sets = [f"framework={framework}", f"backend={backend}", f"model.name={model}", "loop.epochs=1", f"output={tmp_path}",
-            "reliability.stall_warning_s=2"]
+    sets = [f"framework={framework}", f"backend={backend}", f"model.name={model}", "loop.epochs=1", "loop.max_steps=8",
+            f"output={tmp_path}", "reliability.stall_warning_s=2"]  # 8 steps: the stall is at step 5
     cmd = [str(BIN / "mpirun"), "--oversubscribe", "-np", "2", *[a for v in ("FAULT_RANK", "FAULT_AT", "FAULT_MODE",
            "FAULT_SLEEP", "PYTHONPATH") for a in ("-x", v)], sys.executable, "-m", "polytrain.cli", "train", "--quiet",
            *[a for s in sets for a in ("--set", s)]]

@@ -321,31 +321,27 @@ def tf_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     return out
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(900)
 def test_tensorflow_backends_resume_each_other(tf_sources: dict[str, Run], tmp_path: Path) -> None:
-    """Every ordered pair of TensorFlow backends (local, tf-multiworker, mpi, horovod): the target continues
-    the source's step-10 checkpoint exactly as the source went on. tf-multiworker can join its cluster once
-    per process, so it resumes in one launch per source; the others resume from every source in one launch."""
+    """A ring over the TensorFlow backends (local → tf-multiworker → mpi → horovod → local): each resumes the
+    previous one's step-10 checkpoint and continues it exactly as that backend went on, so every backend's
+    checkpoint is read by another backend and every backend reads one it did not write. Every backend trains
+    like one process (its losses equal tf-local's), which makes any pair of them as good as the ring's: the
+    checkpoint is one format whoever writes it. (All 16 ordered pairs, until 2026-12-03, cost 11 TensorFlow
+    launches to the ring's 4: ~5 CI minutes on 2 cores for no pair the ring and the equality leave open.)"""
     names = list(tf_sources)
     failures, report = [], []
     local = tf_sources["tf-local"]
     for name, source in tf_sources.items():  # every TF backend trains like one process
         assert relative(list(source.losses.values()), list(local.losses.values())) < TOLERANCE, name
-    for target in names:
+    for source_name, target in zip(names, [*names[1:], names[0]]):
         job = TF_SOURCES[target]
-        checkpoints = {name: tf_sources[name].checkpoint for name in names}
-        if job.launcher == "launch-local":
-            resumed = {}
-            for name, path in checkpoints.items():
-                tf_train(job, tmp_path / target / name, [], resume=path)
-                resumed[name] = Run.read(tmp_path / target / name)
-        else:
-            outs = {name: tmp_path / target / name for name in checkpoints}
-            resumed = resume_plan(job, checkpoints, outs, tf_env(), timeout=500)
-        for name, run_ in resumed.items():
-            assert (run_.manifest["backend"], run_.manifest["world_size"]) == (job.backend, job.nproc)
-            problems, differences = continuation_problems(run_, tf_sources[name], TOLERANCE)
-            report.append(f"{name}→{target}: {differences}")
-            failures += [f"{name}→{target}: {p}" for p in problems]
+        out = tmp_path / target / source_name
+        tf_train(job, out, [], resume=tf_sources[source_name].checkpoint)
+        run_ = Run.read(out)
+        assert (run_.manifest["backend"], run_.manifest["world_size"]) == (job.backend, job.nproc)
+        problems, differences = continuation_problems(run_, tf_sources[source_name], TOLERANCE)
+        report.append(f"{source_name}→{target}: {differences}")
+        failures += [f"{source_name}→{target}: {p}" for p in problems]
     print("\nrelative differences: " + "; ".join(report))
-    assert not failures, "\n".join(failures)
+    assert len(report) == len(names) and not failures, "\n".join(failures)

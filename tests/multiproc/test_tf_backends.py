@@ -32,9 +32,9 @@ model: {name: mlp, params: {hidden_sizes: [128, 64]}}
 data: {name: digits, batch_size: 32}
 optimizer: {name: sgd, lr: 0.1, momentum: 0.9}
 schedule: {lr_scaling: none}
-loop: {epochs: 5, log_every_n_steps: 1}
+loop: {epochs: 2, log_every_n_steps: 1}
 """
-STEPS = 115  # 5 epochs of ceil(1437 / 64) steps
+STEPS = 46  # 2 epochs of ceil(1437 / 64) steps (5 until 2026-12-03: the same checks, 60 % more steps)
 needs_horovod = pytest.mark.skipif(_import_error("horovod.tensorflow") is not None,
                                    reason="Horovod with TensorFlow ops is not installed (scripts/build_horovod.sh)")
 
@@ -109,7 +109,7 @@ def test_local_launcher_auto_is_tf_multiworker(spec_file: Path, reference: Path,
 
 
 @needs_horovod
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo"])  # --mpi starts mpirun (test_mpirun_horovod); tests/cluster runs it
 def test_horovodrun_auto_is_horovod(spec_file: Path, reference: Path, tmp_path: Path, controller: str) -> None:
     out = tmp_path / f"horovod-{controller}"
     cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", f"--{controller}", "--network-interface", "lo",
