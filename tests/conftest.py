@@ -6,6 +6,7 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
+import durations
 import pytest
 from procs import loopback_env
 
@@ -28,8 +29,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         groups.setdefault(group, []).append(item)
     # the heaviest groups first (xdist hands the groups out in this order: see pytest_configure), so that no
     # long file starts near the end and runs on alone while the other workers have finished
-    ordered = sorted(groups.values(), key=lambda group: -sum(map(_weight, group)))
+    measured = durations.load()
+    ordered = sorted(groups.values(), key=lambda group: -_group_seconds(group, measured))
     items[:] = [item for group in ordered for item in group]
+
+
+def _group_seconds(group: list[pytest.Item], measured: dict[str, int]) -> float:
+    """The group's files' seconds in the last measured run (tests/durations.json), else a guess from its tests."""
+    seconds = 0.0
+    for path in {item.path.relative_to(TESTS).as_posix() for item in group}:
+        if path in measured:
+            seconds += measured[path]
+        else:
+            seconds += 1.5 * sum(_weight(item) for item in group if item.path.relative_to(TESTS).as_posix() == path)
+    return seconds
 
 
 def _weight(item: pytest.Item) -> int:
