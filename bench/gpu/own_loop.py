@@ -32,12 +32,13 @@ def precisions(device: str) -> tuple[str, ...]:
     return ("fp32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
 
 
-def train_digits(dist: Any, last: int = STEPS,
-                 restore: Callable[[Any, Any], int] | None = None) -> tuple[Any, Any, list[float], list[float | None]]:
+def train_digits(dist: Any, last: int = STEPS, restore: Callable[[Any, Any], int] | None = None,
+                 stop: Callable[[int], bool] | None = None) -> tuple[Any, Any, list[float], list[float | None]]:
     """The loop itself, on a started `Distributed`: the set-up model and optimizer, every micro-step's loss
     (mean over the ranks) and each update's gradient norm before clipping (None where the backend clips inside
     its step). Also run by tests/multiproc/own_loop_worker.py, which stops it early (``last``: the update to
-    stop before) and resumes it (``restore(model, optimizer)`` loads a checkpoint and returns its step)."""
+    stop before; ``stop(updates done)``: asked after each update, True ends the loop there) and resumes it
+    (``restore(model, optimizer)`` loads a checkpoint and returns its step)."""
     import torch
     from sklearn.datasets import load_digits
     from torch import nn
@@ -68,6 +69,8 @@ def train_digits(dist: Any, last: int = STEPS,
         norms.append(None if norm is None else float(norm))
         optimizer.step()
         optimizer.zero_grad()
+        if stop is not None and stop(step + 1):
+            break
     return model, optimizer, losses, norms
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import atexit
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from polytrain.errors import OwnLoopError
+from polytrain.train.preemption import NO_STOP, start_stop
 
 if TYPE_CHECKING:
     from polytrain.loop.checkpoints import Loaded
@@ -32,9 +33,47 @@ class LoopSession:
     _trackers: Any = None  # the spec's trackers (logging.wandb, logging.mlflow), started by the first `log`
     _resumed_trackers: dict[str, str] = {}  # the tracker runs a loaded checkpoint kept
     _owner: Any  # the run whose checkpoints `save` may replace and prune (`polytrain.checkpoint.store.Owner`)
+    _stop: Any = NO_STOP  # the spec's preemption table at work (`polytrain.train.preemption.StepStop`)
+    _stop_calls = 0
 
     def _hold(self) -> None:
         atexit.register(self._end_at_exit)
+        self._stop = start_stop(self.spec.preemption, self.world.rank, "the folder the loop saves to")
+        self._stop_calls = 0
+
+    # ------------------------------------------------------------------ preemption
+    def preempted(self, step: int | None = None, *, every_n_steps: int | None = None) -> bool:
+        """Whether the loop must stop here because a rank got one of the spec's ``preemption`` signals: the same
+        answer on every rank. Every rank calls it once per step, at the step boundary (``step``: the loop's own
+        number, for the last line). The ranks agree every ``every_n_steps`` calls (default: the spec's
+        ``loop.log_every_n_steps``) in one small all-reduce; the calls between are a flag test. On True: save
+        (every rank, `save`), then `exit_preempted`. Always False without a ``preemption`` table."""
+        self._check_open("preempted")
+        if self._stop.spec is None:
+            return False
+        every = self.spec.loop.log_every_n_steps if every_n_steps is None else every_n_steps
+        if not isinstance(every, int) or every < 1:
+            raise OwnLoopError(f"preempted: every_n_steps must be a whole number >= 1, got {every_n_steps!r}")
+        self._stop_calls += 1
+        at = self._stop_calls if step is None else step
+        if self._stop_calls % every == 0 or self._stop.stop_step is not None:
+            if self._stop.stop_step is None:
+                signalled = float(self._reduce(np.array([self._stop.asked]), "sum")[0])
+                self._stop.heard(signalled, at)
+            return self._stop.due(at)
+        return False
+
+    def exit_preempted(self, saved_step: int | None = None) -> NoReturn:
+        """After `preempted` said True and the loop saved: end this object (the ranks meet, the group ends), ask
+        Slurm to requeue the job where the table says so (rank 0), print one line on rank 0 and exit with code
+        `polytrain.spec.preemption.PREEMPTED_EXIT` (75): stopped, resumable."""
+        if not self._stop.stopped:
+            raise OwnLoopError("exit_preempted: preempted() has not said True on this rank")
+        stopped = self._stop.end(saved_step, resume="load the loop's last save to go on (Distributed.load)")
+        self.end()
+        if stopped.show:
+            print(f"polytrain: {stopped}", file=sys.stderr, flush=True)
+        sys.exit(stopped.exit_code)
 
     # ------------------------------------------------------------------ who and where
     @property
@@ -109,6 +148,7 @@ class LoopSession:
         if self._ended:
             return
         self._ended = True
+        self._stop.close()  # the previous signal handlers back (kept till the exit once the loop stopped)
         atexit.unregister(self._end_at_exit)  # the exit hook held this object (and its backend) for the process's life
         if self._trackers is not None:
             self._trackers.finish(failed=failed)

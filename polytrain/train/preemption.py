@@ -94,23 +94,29 @@ class StepStop:
     def stopped(self) -> bool:
         return self.stopped_at is not None
 
-    def end(self, saved_step: int | None, environ: Mapping[str, str] = os.environ) -> Preempted:
-        """After the stop's checkpoint has settled (``saved_step``: its step): requeue where asked (rank 0), and the
-        `Preempted` to raise (rank 0's is shown)."""
+    def end(self, saved_step: int | None, environ: Mapping[str, str] = os.environ,
+            resume: str = "resume with --resume auto") -> Preempted:
+        """After the stop's checkpoint has settled (``saved_step``: its step, None where the caller's loop saved):
+        requeue where asked (rank 0), and the `Preempted` to raise (rank 0's is shown)."""
         if self._timer is not None:
             self._timer.cancel()
         requeued = request_requeue(self.spec.requeue, environ) if self.rank == 0 else ""
         who = self.signal or "a signal to another rank"
-        return Preempted(f"preempted by {who}: every rank stopped after step {self.stopped_at}, its checkpoint "
-                         f"written at step {saved_step}; resume with --resume auto{requeued}", show=self.rank == 0)
+        saved = "" if saved_step is None else f", its checkpoint written at step {saved_step}"
+        return Preempted(f"preempted by {who}: every rank stopped after step {self.stopped_at}{saved}; "
+                         f"{resume}{requeued}", show=self.rank == 0)
 
     def close(self) -> None:
         """No grace timer (the stop ended in time), and the previous handlers back, unless the run stopped: then
         this process is on its way out with `PREEMPTED_EXIT`, and a signal that comes meanwhile changes nothing
-        (under torchrun, the agent SIGTERMs the ranks still tearing down once the first has exited)."""
+        (under torchrun, the agent SIGTERMs the ranks still tearing down once the first has exited). The signals
+        are then ignored, not handled: Python puts the default action back for its own handlers when it
+        finalises, and a SIGTERM then would still end the process as killed (-15) instead of with its code."""
         if self._timer is not None:
             self._timer.cancel()
         if self.stopped:
+            for number in self._previous:
+                signal.signal(number, signal.SIG_IGN)
             return
         for number, previous in self._previous.items():
             signal.signal(number, previous)

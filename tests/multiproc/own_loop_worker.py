@@ -5,16 +5,20 @@ global batch of 32 is split across the ranks (rank r takes every world-th sample
 same samples per update. Rank 0 writes every micro-step's loss (averaged over the ranks) and the final weights.
 
 Usage: python own_loop_worker.py BACKEND OUT.json [--launch NP [--fail-rank R]] [--stop K --save ROOT | --resume ROOT]
+                                  [--preempt K --every N --save ROOT]
 (``--launch``: the script starts its NP processes itself through `Distributed.launch`, the ``mp.spawn`` case;
 ``--fail-rank``: that rank raises before training, to see the others stopped and the failure named;
 ``--stop K --save ROOT``: stop before update K and save a checkpoint under ROOT; ``--resume ROOT``: load the
-newest checkpoint there and go on from its step to the end.)
+newest checkpoint there and go on from its step to the end; ``--preempt K``: with a ``preemption`` table, the
+last rank SIGTERMs itself after update K, the loop asks ``dist.preempted`` after every update (the ranks agree
+every N), saves under ROOT where it stopped and ends with ``dist.exit_preempted``.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -36,13 +40,29 @@ def train(backend: str, out: str, fail_rank: int = -1) -> None:
     if backend.startswith("deepspeed"):  # "deepspeed-3": ZeRO stage 3; the engine clips at the spec's norm
         backend, stage = "deepspeed", int(backend.partition("-")[2] or 2)
         spec = {"deepspeed": {"stage": stage}, "loop": {"grad_clip_norm": CLIP}, "output": f"{out}.deepspeed"}
+    preempt, every = int(flag("--preempt") or 0), int(flag("--every") or 0)
+    if preempt:
+        spec = {**(spec or {}), "preemption": {"signals": ["SIGTERM"]}}
     dist = Distributed(backend, grad_accum_steps=ACCUM, spec=spec)
     if dist.rank == fail_rank:
         raise RuntimeError(f"rank {dist.rank} fails on purpose")
     stop, root, resume = int(flag("--stop") or STEPS), flag("--save"), flag("--resume")
     restore = (lambda model, optimizer: dist.load(resume, {"model": model, "optimizer": optimizer})["step"]) \
         if resume else None
-    model, optimizer, losses, norms = train_digits(dist, last=stop, restore=restore)
+    stopped: list[int] = []
+
+    def preempted(done: int) -> bool:
+        if done == preempt and dist.rank == dist.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, to this rank only
+        if dist.preempted(done, every_n_steps=every):
+            stopped.append(done)
+        return bool(stopped)
+
+    model, optimizer, losses, norms = train_digits(dist, last=stop, restore=restore,
+                                                   stop=preempted if preempt else None)
+    if stopped:
+        dist.save(root, {"model": model, "optimizer": optimizer, "step": stopped[0]})
+        dist.exit_preempted(stopped[0])
     if root:
         dist.save(root, {"model": model, "optimizer": optimizer, "step": stop})
     refused = ""

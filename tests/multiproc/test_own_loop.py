@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -184,6 +185,9 @@ SPLITS = {  # a loop stopped after 8 of its 20 updates on one backend and world 
     "fsdp-2-to-local-1": (("fsdp", "torchrun", 2), ("local", "python", 1)),
     "local-1-to-deepspeed-3-2": (("local", "python", 1), ("deepspeed-3", "torchrun", 2)),
 }
+#: how each split's first job stops: fsdp's by a SIGTERM to rank 1 after update 6, the ranks agreeing every 4
+#: updates (`dist.preempted`: at update 8), the other at update 8 as the loop's own choice
+STOPS = {"fsdp-2-to-local-1": ["--preempt", "6", "--every", "4"], "local-1-to-deepspeed-3-2": ["--stop", "8"]}
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
@@ -191,15 +195,25 @@ def test_a_loop_saved_on_one_backend_resumes_on_another(one_process: dict, tmp_p
     """`dist.save` after update 8 (every rank calls it; FSDP and ZeRO-3 gather their shards), `dist.load` in a
     new job of another backend and world size, the loop going on from the step it returns: every later
     micro-step's loss and the final weights equal the run that never stopped (weights, momentum and the step
-    carried over exactly)."""
+    carried over exactly). On fsdp the stop is a preemption: one rank's SIGTERM, `dist.preempted` true on every
+    rank at the same update, `dist.exit_preempted`: exit code 75 on each rank and rank 0's one line."""
     (first, launcher1, n1), (second, launcher2, n2) = SPLITS[split]
     if "deepspeed" in split:
         pytest.importorskip("deepspeed")
     root = tmp_path / "checkpoints"
-    for backend, launcher, nproc, extra in ((first, launcher1, n1, ["--stop", "8", "--save", str(root)]),
+    for backend, launcher, nproc, extra in ((first, launcher1, n1, [*STOPS[split], "--save", str(root)]),
                                             (second, launcher2, n2, ["--resume", str(root)])):
-        done = check(run(command(launcher, [WORKER, backend, str(tmp_path / "out.json"), *extra], nproc),
-                         env=job_env({}), timeout=240))
+        done = run(command(launcher, [WORKER, backend, str(tmp_path / "out.json"), *extra], nproc),
+                   env=job_env({}), timeout=240)
+        if "--preempt" in extra:  # torchrun reports each rank's code and fails itself
+            text = done.stdout + done.stderr
+            codes = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*exitcode\s*: (\d+)", text)
+            assert done.returncode != 0 and set(codes) == {("0", "75"), ("1", "75")}, text[-3000:]
+            assert re.findall(r"polytrain: preempted by .*", text) == [
+                "polytrain: preempted by a signal to another rank: every rank stopped after step 8, its checkpoint "
+                "written at step 8; load the loop's last save to go on (Distributed.load)"], text[-3000:]
+        else:
+            check(done)
         assert not done.left_behind, done.left_behind
     manifest = json.loads((root / "step-00000008" / "manifest.json").read_text())
     assert (manifest["origin"], manifest["global_step"], manifest["world_size"]) == ("own-loop", 8, n1)

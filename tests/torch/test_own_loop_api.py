@@ -263,3 +263,32 @@ def test_save_and_load_misuse_is_one_line(tmp_path) -> None:
         with pytest.raises(CheckpointError, match=r"^load: .*step-00000001 holds 2.weight of shape \(3, 8\); the "
                                                   r"model's is \(4, 8\)$"):
             dist.load(tmp_path, {"model": other})
+
+
+def test_preempted_agrees_every_n_steps_and_exit_preempted_ends_with_75(capsys: pytest.CaptureFixture) -> None:
+    """One process: a signal is a flag until the next agreement call, which says True (and every call after);
+    `exit_preempted` ends the object, prints rank 0's line and exits 75. Misuse is one line."""
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        with Distributed("local") as plain:
+            assert plain.preempted() is False  # no preemption table: never
+        dist = Distributed("local", spec={"preemption": {"signals": ["SIGUSR2"]}})
+        with pytest.raises(OwnLoopError, match="every_n_steps must be a whole number >= 1, got 0"):
+            dist.preempted(1, every_n_steps=0)
+        with pytest.raises(OwnLoopError, match="exit_preempted: preempted\\(\\) has not said True on this rank"):
+            dist.exit_preempted()
+        assert [dist.preempted(step, every_n_steps=3) for step in (1, 2, 3)] == [False] * 3
+        signal.raise_signal(signal.SIGUSR2)
+        assert [dist.preempted(step, every_n_steps=3) for step in (4, 5, 6)] == [False, False, True]
+        with pytest.raises(SystemExit) as ended:
+            dist.exit_preempted(6)
+        assert ended.value.code == 75
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            "polytrain: preempted by SIGUSR2: every rank stopped after step 6, its checkpoint written at step 6; "
+            "load the loop's last save to go on (Distributed.load)")
+        with pytest.raises(OwnLoopError, match="preempted: this Distributed has ended"):
+            dist.preempted(7)
+    finally:
+        signal.signal(signal.SIGUSR2, before)

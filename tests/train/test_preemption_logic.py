@@ -40,16 +40,21 @@ def test_a_signal_is_noted_once_and_the_handlers_are_put_back() -> None:
 
 def test_after_a_stop_the_handler_stays_till_the_exit_and_a_late_signal_changes_nothing() -> None:
     """Under torchrun the first rank to exit 75 makes the agent SIGTERM the others while they tear down: they must
-    still end with 75, not die of the signal (found by 5 loaded rounds of tests/multiproc/test_preemption.py)."""
+    still end with 75, not die of the signal (found by 5 loaded rounds of tests/multiproc/test_preemption.py). Once
+    closed the signal is ignored, not handled: Python's finalisation puts SIG_DFL back for its own handlers (an
+    own-loop rank died -15 so), not for SIG_IGN."""
     before = signal.getsignal(signal.SIGUSR2)
     exits: list[int] = []
     stop = StepStop(PreemptionSpec(signals=("SIGUSR2",), grace_s=3600), rank=1, exit_now=exits.append).install()
     try:
         stop.heard(1.0, 8)  # another rank's signal
         assert stop.due(8)
-        stop.close()
-        signal.raise_signal(signal.SIGUSR2)  # the agent's, during teardown
+        signal.raise_signal(signal.SIGUSR2)  # the agent's, before the teardown
         assert stop.signal == "SIGUSR2" and exits == []
+        stop.close()
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+        signal.raise_signal(signal.SIGUSR2)  # during the teardown: this process lives on
+        assert exits == []
     finally:
         stop.stopped_at = None
         stop.close()
