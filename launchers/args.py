@@ -81,6 +81,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     slurm.add_argument("--account")
     slurm.add_argument("--time", dest="time_limit", metavar="TIME")
     slurm.add_argument("--job-name", default="polytrain")
+    slurm.add_argument("--requeue", action="store_true",
+                       help="with --emit-sbatch: #SBATCH --requeue; a spec's run stops at a step with a checkpoint on "
+                            "the scheduler's signal, requeues itself and resumes (--resume auto) when it starts again")
+    slurm.add_argument("--signal", dest="slurm_signal", metavar="NAME@SECONDS",
+                       help="with --emit-sbatch: Slurm signals the job SECONDS before its time limit, e.g. USR1@120 "
+                            "(the batch shell passes it on to every task)")
 
     parser.add_argument(
         "launch_command", nargs=argparse.REMAINDER, metavar="SPEC|SCRIPT.py [ARGS] [-- LAUNCHER ARGS]",
@@ -181,6 +187,8 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
             partition=args.partition,
             account=args.account,
             gpus_per_node=_number(args.gpus_per_node, "--gpus-per-node"),
+            requeue=bool(getattr(args, "requeue", False)),
+            signal=getattr(args, "slurm_signal", None),
         ),
         debug=bool(getattr(args, "debug", False)),
     )
@@ -214,6 +222,10 @@ def launch_from_args(args: argparse.Namespace) -> int:
             raise LaunchError(f"{flag} {target}: cannot write it ({exc.strerror or exc})") from exc
         print(f"wrote {target}; submit it with: {launcher.batch_script.submit.format(target)}", file=sys.stderr)
         return 0
+    if req.slurm.requeue or req.slurm.signal:
+        flag = "--requeue" if req.slurm.requeue else "--signal"
+        raise LaunchError(f"{flag} goes with --emit-sbatch FILE (a Slurm batch script); under a running launcher, "
+                          "the spec's preemption table handles the signals")
     if not args.dry_run:
         check_spec(args.launch_command, local=not req.hosts, world_size=req.nproc)
     return run(req, dry_run=args.dry_run)

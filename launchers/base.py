@@ -68,6 +68,8 @@ class SlurmOptions:
     partition: str | None = None
     account: str | None = None
     gpus_per_node: int | None = None
+    requeue: bool = False  # --requeue: #SBATCH --requeue, and the run requeues itself when preempted
+    signal: str | None = None  # --signal NAME@SECONDS: #SBATCH --signal=B:NAME@SECONDS, passed on to the tasks
 
 
 @dataclass(frozen=True)

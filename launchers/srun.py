@@ -21,6 +21,7 @@ from polytrain.launchers.base import (
     check_slots,
     procs_per_node,
     refuse_restarts,
+    set_values,
 )
 from polytrain.launchers.failure_report import RankFailure, signal_named
 from polytrain.launchers.hostfile import to_slurm_nodelist
@@ -115,6 +116,11 @@ def emit_sbatch(req: LaunchRequest) -> str:
             directives.append(_directive(name, value))
     if req.hosts:
         directives.append(_directive("nodelist", to_slurm_nodelist(req.hosts)))
+    name = slurm_signal_name(options.signal) if options.signal else None
+    if options.requeue:
+        directives.append("#SBATCH --requeue")
+    if options.signal:
+        directives.append(f"#SBATCH --signal=B:{name}@{options.signal.rpartition('@')[2]}")
     master_addr = shlex.quote(req.master_addr) if req.master_addr else f'"{FIRST_NODE}"'
     master_port = str(req.master_port) if req.master_port else PORT_FROM_JOB_ID
     exports = [f"export {key}={shlex.quote(value)}" for key, value in req.env.items()]
@@ -128,9 +134,69 @@ def emit_sbatch(req: LaunchRequest) -> str:
         f"export MASTER_PORT={master_port}",
         *exports,
         "",
-        srun_line,
     ]
-    return "\n".join(lines) + "\n"
+    if not (options.requeue or options.signal):
+        return "\n".join([*lines, srun_line]) + "\n"
+    req = dataclasses.replace(req, program=preemptible_program(req.program, options.requeue, name))
+    srun_line = shlex.join(SrunLauncher().build_command(req))
+    forwarded = sorted({"TERM", *([name] if name else [])})
+    return "\n".join([
+        *lines,
+        "# The scheduler's signals reach this shell (--signal=B:..., and SIGTERM from scontrol requeue, scancel or",
+        "# preemption): pass them on to srun, which passes them to every task; the script ends with srun's code",
+        "# (75: preempted, resumable).",
+        f"{srun_line} &",
+        "srun_pid=$!",
+        *(f"trap 'kill -{sig} \"$srun_pid\" 2>/dev/null || true' {sig}" for sig in forwarded),
+        'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
+        'wait "$srun_pid"',
+    ]) + "\n"
+
+
+#: what --signal may name: what a run can handle (not KILL, STOP, INT)
+SLURM_SIGNALS = ("USR1", "USR2", "TERM", "HUP", "QUIT", "XCPU")
+
+
+def slurm_signal_name(text: str) -> str:
+    """``--signal``'s NAME of ``[B:]NAME@SECONDS`` (``SIG`` prefix and case as you like), or the one-line error."""
+    body = text.removeprefix("B:")
+    name, at, seconds = body.partition("@")
+    name = name.upper().removeprefix("SIG")
+    if not at or name not in SLURM_SIGNALS or not seconds.isdigit() or not 1 <= int(seconds) <= 65535:
+        raise LaunchError(f"--signal must be NAME@SECONDS with NAME one of {', '.join(SLURM_SIGNALS)} and SECONDS "
+                          f"1-65535 (e.g. USR1@120: SIGUSR1 two minutes before the time limit), got {text!r}")
+    return name
+
+
+def preemptible_program(program: tuple[str, ...], requeue: bool, name: str | None) -> tuple[str, ...]:
+    """A spec's ``polytrain train`` with what a preemptible batch job needs: the ``preemption`` table handling
+    ``name`` (its defaults handle SIGTERM and SIGUSR1), and with ``requeue`` the table's requeue on and
+    ``--resume auto`` (a requeued job starts the script again). A script's command is left as it is: the script
+    handles the signals itself (``dist.preempted``)."""
+    if program[1:4] != ("-m", "polytrain.cli", "train"):
+        return program
+    given = " ".join(set_values(program[5:]))
+    added: list[str] = []
+    if "preemption" not in given and not _has_preemption_table(program[4], program[5:]):
+        added += ["--set", "preemption.requeue=auto" if requeue else "preemption.requeue=never"]
+    if name and name not in ("TERM", "USR1") and "preemption.signals" not in given:
+        added += ["--set", f"preemption.signals=[SIGTERM,SIGUSR1,SIG{name}]"]
+    if requeue and "--resume" not in program and not any(a.startswith("--resume=") for a in program):
+        added += ["--resume", "auto"]
+    return (*program, *added)
 
 
 LAUNCHER = SrunLauncher()
+
+
+def _has_preemption_table(spec: str, program_args: tuple[str, ...]) -> bool:
+    """Whether the spec (with its --set values) has a ``preemption`` table of its own, to leave as it is; a spec
+    that cannot be read here (it lives on the cluster) counts as one without."""
+    from polytrain.errors import UserError
+    from polytrain.spec.files import apply_overrides, load_raw
+
+    try:
+        return "preemption" in apply_overrides(load_raw(spec), set_values(program_args))
+    except (UserError, OSError):
+        return False
+

@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,17 @@ class RunInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    stop: Any = field(default=None, repr=False, compare=False)  # the run's `polytrain.train.preemption.StepStop`
+
     @property
     def output(self) -> Path:
         return Path(self.spec.output)
+
+    @property
+    def preempt_signal(self) -> str | None:
+        """The signal of the spec's ``preemption`` table this rank got (``"SIGTERM"``), or None: once set, the
+        run stops at the next step boundary the ranks agree on."""
+        return getattr(self.stop, "signal", None)
 
 
 class Callback:
@@ -305,14 +313,15 @@ class RunHooks:
         return self.early_stopping is not None and self.early_stopping.stopped
 
 
-def set_up_callbacks(spec: TrainSpec, world: World, extra: Iterable[Any], task: str, validated: bool) -> RunHooks:
+def set_up_callbacks(spec: TrainSpec, world: World, extra: Iterable[Any], task: str, validated: bool,
+                     stop: Any = None) -> RunHooks:
     """The spec's callbacks then ``extra`` (the caller's objects), early stopping and the best checkpoints of a
     run of ``task``, which has validation data when ``validated``. Monitored names are checked against what this
     run logs: one-line errors before anything is built."""
     extra = list(extra)
     for i, obj in enumerate(extra):
         check_callback(obj, f"callbacks[{i}]")
-    run = RunInfo(world.rank, world.size, world.local_rank, spec)
+    run = RunInfo(world.rank, world.size, world.local_rank, spec, stop)
     hooks = RunHooks(CallbackList([*load_callbacks(spec.callbacks or ()), *extra], run))
     metrics = objectives.metric_names(spec.metrics, task)
     val_names = {"val_loss", *(f"val_{objectives.metric_key(m)}" for m in metrics)}

@@ -139,7 +139,10 @@ def request_requeue(requeue: str, environ: Mapping[str, str], which: Callable[[s
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"; scontrol requeue {job} failed ({exc})"
     if done.returncode != 0:
-        return f"; scontrol requeue {job} failed: {(done.stderr or done.stdout).strip()[:200]}"
+        said = (done.stderr or done.stdout).strip()
+        if "pending execution" in said:  # the scheduler's own requeue (scontrol requeue, preemption) came first
+            return f"; Slurm job {job} was requeued already"
+        return f"; scontrol requeue {job} failed: {said[:200]}"
     return f"; Slurm job {job} requeued"
 
 

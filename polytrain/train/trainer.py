@@ -114,7 +114,8 @@ class Trainer:
             data = self.data if self.data is not None else registry.open_data(spec)
             self.prefetcher = Prefetcher(spec.data.workers, spec.data.prefetch, spec.seed, augment=data.augment,
                                          transform=load_transform(spec.data.transform))
-            self.hooks = set_up_callbacks(spec, world, self.extra_callbacks, data.info.task, bool(len(data.val)))
+            self.hooks = set_up_callbacks(spec, world, self.extra_callbacks, data.info.task, bool(len(data.val)),
+                                          self.stop)
             self._build(data)
             start = self._begin(data)
             if not start.complete:  # rank 0's trackers (in the runs a resumed checkpoint kept), before training

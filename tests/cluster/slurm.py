@@ -122,7 +122,7 @@ class SlurmCluster:
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
             "MailProg=/bin/true",
-            "KillWait=5",
+            "KillWait=30",  # Slurm's default: a preempted job's ranks stop and save between SIGTERM and SIGKILL
             "InactiveLimit=0",
             # a fresh range of job ids per start (slurmctld starts with its state cleared): jobs of a restarted
             # controller never reuse an earlier job's id, nor the MASTER_PORT an sbatch script derives from it

@@ -6,6 +6,8 @@
 - A host's ranks SIGKILLed: the job ends non-zero, Slurm names the killed tasks, nothing is left.
 - A hand-written loop on `polytrain.torch.Distributed` (tests/multiproc/own_loop_worker.py) as one rank per
   host under ``srun -N2 -n2``: the same losses and weights as the loop in one process.
+- Preemption: ``--emit-sbatch --requeue --signal USR1@60`` jobs stopped mid-run by the batch shell's SIGUSR1
+  (``scancel --batch --signal``) and by ``scontrol requeue`` are requeued and end on the uninterrupted weights.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import numpy as np
 import pytest
 from jobs import REPO, SPEC, WORKER_MARK, sets, trained
 from netns import Cluster
+from procs import read_metrics
 from slurm import SlurmCluster, slurm_unavailable
+
+from polytrain.checkpoint.store import read_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -49,25 +54,36 @@ def slurm(slurm_daemons: SlurmCluster) -> SlurmCluster:
     return slurm_daemons.ensure()
 
 
-def emit_sbatch(path: Path, out: Path, *settings: str) -> str:
+def emit_sbatch(path: Path, out: Path, *settings: str, flags: tuple[str, ...] = ()) -> str:
     done = subprocess.run([sys.executable, "-m", "polytrain.cli", "launch", "--emit-sbatch", str(path), "-np", "4",
-                           "-H", "h1:2,h2:2", str(SPEC), *sets(f"output={out}", *settings)],
+                           "-H", "h1:2,h2:2", *flags, str(SPEC), *sets(f"output={out}", *settings)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     return path.read_text()
+
+
+@pytest.fixture(scope="module")
+def plain_job(slurm_daemons: SlurmCluster, cluster: Cluster,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], str, Path]:
+    """The emitted job, 60 steps on 4 ranks over 2 hosts, never interrupted: its final state, log and output
+    (the reference of the preemption tests too)."""
+    slurm = slurm_daemons.ensure()
+    tmp = tmp_path_factory.mktemp("plain")
+    out, log = tmp / "run", tmp / "job.out"
+    script = emit_sbatch(tmp / "job.sh", out, "loop.max_steps=60")
+    assert "--nodelist=h1,h2" in script and "srun " in script
+    job = slurm.sbatch(tmp / "job.sh", f"--output={log}", f"--chdir={REPO}")
+    state = slurm.wait_job(job, timeout=240)
+    assert slurm.wait_no_processes(30) == {}, "processes left on the hosts"
+    return state, log.read_text(), out
 
 
 def probes(folder: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
 
 
-def test_emitted_sbatch_runs_across_two_hosts(slurm: SlurmCluster, tmp_path: Path) -> None:
-    out, log = tmp_path / "run", tmp_path / "job.out"
-    script = emit_sbatch(tmp_path / "job.sh", out, "loop.max_steps=60")
-    assert "--nodelist=h1,h2" in script and "srun " in script
-    job = slurm.sbatch(tmp_path / "job.sh", f"--output={log}", f"--chdir={REPO}")
-    state = slurm.wait_job(job, timeout=240)
-    text = log.read_text()
+def test_emitted_sbatch_runs_across_two_hosts(slurm: SlurmCluster, plain_job: tuple) -> None:
+    state, text, out = plain_job
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), f"{state}\n{text}\n{slurm.logs()}"
     assert state["NodeList"] == "h[1-2]"
     assert slurm.jobs() == [], "squeue still lists jobs"
@@ -76,6 +92,67 @@ def test_emitted_sbatch_runs_across_two_hosts(slurm: SlurmCluster, tmp_path: Pat
     # the master is the job's first node, and rank 0's store listens on h1's cluster address, not everywhere
     assert f"rendezvous listens on {slurm.cluster.hosts[0].addr}:" in text, text
     assert "(multi-node: the address h1 names here)" in text, text
+    trained(out, 4, "ddp")
+
+
+#: how a running job is preempted: (the command, the signal the ranks see, what rank 0's line ends with)
+PREEMPTIONS = {
+    # what --signal=B:USR1@N does at the time limit: the batch shell gets it and passes it on
+    "the batch shell's SIGUSR1": (["scancel", "--batch", "--signal=USR1"], "SIGUSR1", "; Slurm job {job} requeued"),
+    # an administrator's or the scheduler's requeue: SIGTERM to every task (KillWait later, SIGKILL)
+    "scontrol requeue": (["scontrol", "requeue"], "SIGTERM", "; Slurm job {job} was requeued already"),
+}
+HOLD_AT = 15  # the step every rank waits at until the signal reached it (hold_for_signal.py)
+
+
+@pytest.mark.parametrize("how", list(PREEMPTIONS))
+def test_a_preempted_job_is_requeued_and_ends_on_the_uninterrupted_weights(
+        slurm: SlurmCluster, plain_job: tuple, tmp_path: Path, how: str) -> None:
+    """`--emit-sbatch --requeue --signal USR1@60`: the job stops at the first logging window after the signal (every
+    rank at the same step, its checkpoint written there), is requeued, starts again with ``--resume auto`` and
+    ends on exactly the weights of the job never interrupted: no step lost, none run twice."""
+    command, signal_name, requeued = PREEMPTIONS[how]
+    _, _, reference = plain_job
+    out, log, hold = tmp_path / "run", tmp_path / "job.out", tmp_path / "hold"
+    hold.mkdir()
+    script = emit_sbatch(tmp_path / "job.sh", out, "loop.max_steps=60", "callbacks=[hold_for_signal:HoldForSignal]",
+                         flags=("--requeue", "--signal", "USR1@60", "-x", f"PYTHONPATH={Path(__file__).parent}",
+                                "-x", f"HOLD_AT={HOLD_AT}", "-x", f"HOLD_DIR={hold}"))
+    assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@60" in script and "--resume auto" in script
+    job = slurm.sbatch(tmp_path / "job.sh", f"--output={log}", "--open-mode=append", f"--chdir={REPO}")
+    deadline = time.monotonic() + 180
+    while len(list(hold.iterdir())) < 4:  # every rank holds at HOLD_AT: the signal lands mid-run
+        assert time.monotonic() < deadline and job in slurm.jobs(), f"no rank reached step {HOLD_AT}\n" + (
+            log.read_text() if log.exists() else "")
+        time.sleep(0.1)
+    slurm.command(*command, job)
+    deadline = time.monotonic() + 120
+    while slurm.job_state(job).get("JobState") != "PENDING":  # stopped and requeued
+        assert time.monotonic() < deadline and job in slurm.jobs(), f"not requeued: {slurm.job_state(job)}\n" + (
+            log.read_text())
+        time.sleep(0.1)
+    # Slurm holds a requeued job back for about two minutes (its begin time); start it now, as an admin may
+    slurm.command("scontrol", "update", f"JobId={job}", "StartTime=now")
+    state = slurm.wait_job(job, timeout=240)
+    text = log.read_text()
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        f"{state}\n{text}\n{slurm.logs()}"
+    closes = [r["step"] for r in read_metrics(reference, "step")]
+    stop = min(c for c in closes if c > HOLD_AT)  # the first logging window after the hold
+    line = (f"polytrain: preempted by {signal_name}: every rank stopped after step {stop}, its checkpoint written "
+            f"at step {stop}; resume with --resume auto{requeued.format(job=job)}")
+    assert line in text.splitlines(), text
+    records = read_metrics(out)
+    resumed = [i for i, r in enumerate(records) if r.get("event") == "resume"]
+    assert [records[i]["step"] for i in resumed] == [stop], records
+    before = [r["step"] for r in records[:resumed[0]] if r.get("event") == "step"]
+    after = [r["step"] for r in records[resumed[0]:] if r.get("event") == "step"]
+    assert before == [c for c in closes if c <= stop], (before, closes)  # nothing logged past the stop
+    assert after and after[0] > stop and after == sorted(set(after)), after  # none twice
+    got, ref = read_model(out)[0], read_model(reference)[0]
+    assert sorted(got) == sorted(ref)
+    for key in ref:
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-6, atol=1e-7, err_msg=key)
     trained(out, 4, "ddp")
     assert slurm.wait_no_processes(30) == {}, "processes left on the hosts"
 

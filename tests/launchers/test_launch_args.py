@@ -109,6 +109,12 @@ def test_launch_from_args_emits_sbatch(tmp_path, capsys):
     assert f"sbatch {out}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--requeue", "--signal=USR1@60"])
+def test_requeue_and_signal_go_with_emit_sbatch_only(flag):
+    with pytest.raises(LaunchError, match=f"^{flag.split('=')[0]} goes with --emit-sbatch FILE"):
+        launch_from_args(parse("--launcher", "torchrun", "-np", "2", flag, "spec.yaml"))
+
+
 @pytest.mark.parametrize("flag", ["--emit-sbatch", "--emit-bsub"])
 @pytest.mark.parametrize("existing", [False, True])
 def test_emitted_batch_scripts_are_readable_by_their_owner_only(tmp_path, monkeypatch, flag, existing):

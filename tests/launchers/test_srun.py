@@ -82,3 +82,33 @@ def test_emit_sbatch_rejects_spaces():
 def test_emit_sbatch_for_another_launcher_uses_srun():
     r = LaunchRequest(launcher="local", nproc=2, program=(PY, "t.py"), max_restarts=0)
     assert emit_sbatch(r).rstrip().endswith(f"srun --nodes=1 --ntasks=2 --ntasks-per-node=2 --kill-on-bad-exit=1 {PY} t.py")
+
+
+def test_a_requeued_sbatch_passes_the_schedulers_signals_on_and_resumes(tmp_path):
+    """--requeue --signal USR1@90: the directives, the batch shell passing TERM and USR1 on to srun and ending with
+    its code, and a spec run with the preemption table (added: the spec has none) that resumes by itself."""
+    script = emit_sbatch(req(slurm=SlurmOptions(requeue=True, signal="SIGUSR1@90")))
+    lines = script.splitlines()
+    assert "#SBATCH --requeue" in lines and "#SBATCH --signal=B:USR1@90" in lines
+    assert f"{PY} -m polytrain.cli train spec.yaml --set preemption.requeue=auto --resume auto &" in script
+    assert lines[-5:] == [
+        "srun_pid=$!",
+        "trap 'kill -TERM \"$srun_pid\" 2>/dev/null || true' TERM",
+        "trap 'kill -USR1 \"$srun_pid\" 2>/dev/null || true' USR1",
+        'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
+        'wait "$srun_pid"',
+    ]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("preemption: {requeue: never}\n")  # the spec's own table is left as it is
+    program = (PY, "-m", "polytrain.cli", "train", str(spec), "--resume", "ckpt")
+    assert srun.preemptible_program(program, True, "USR2") == (
+        *program, "--set", "preemption.signals=[SIGTERM,SIGUSR1,SIGUSR2]")
+    assert srun.preemptible_program((PY, "loop.py"), True, "USR1") == (PY, "loop.py")  # a script handles its own
+    only_signal = emit_sbatch(req(slurm=SlurmOptions(signal="TERM@30")))
+    assert "#SBATCH --requeue" not in only_signal and "--set preemption.requeue=never &" in only_signal
+
+
+@pytest.mark.parametrize("text", ["KILL@30", "USR1", "USR1@0", "USR1@x", "INT@10"])
+def test_a_bad_signal_is_one_line(text):
+    with pytest.raises(LaunchError, match=f"--signal must be NAME@SECONDS .*got '{text}'"):
+        emit_sbatch(req(slurm=SlurmOptions(signal=text)))

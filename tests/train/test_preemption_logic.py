@@ -96,6 +96,8 @@ def test_the_requeue_asks_slurm_where_it_can_and_says_what_happens_where_it_cann
     assert calls == [["/usr/bin/scontrol", "requeue", "42"]]
     assert request_requeue("always", slurm, found, scontrol(1, "Requested operation is presently disabled\n")) == \
         "; scontrol requeue 42 failed: Requested operation is presently disabled"
+    assert request_requeue("auto", slurm, found, scontrol(1, "Job is pending execution for job 42\n")) == \
+        "; Slurm job 42 was requeued already"  # scontrol requeue's SIGTERM: the scheduler requeued it first
     assert request_requeue("auto", slurm, lambda name: None, scontrol(0)) == (
         "; scontrol is not reachable here (a container?): Slurm requeues the job on exit code 75 where RequeueExit "
         "names it")
