@@ -234,3 +234,21 @@ def test_bf16_builds_layers_in_mixed_bfloat16_until_the_end() -> None:
             loss = tf.reduce_mean(tf.cast(model(tf.ones((2, 6))), tf.float32))
         assert all(g.dtype == tf.float32 for g in dist.gradient(tape, loss, model.trainable_variables))
     assert keras.config.dtype_policy().name == before
+
+
+def test_preempted_and_exit_preempted_on_tensorflow(capsys: pytest.CaptureFixture) -> None:
+    """The TF own loop shares the torch one's preemption: a flag until the agreement call, then True, exit 75."""
+    import signal
+
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        dist = Distributed("local", spec={"preemption": {"signals": ["SIGUSR2"]}})
+        assert [dist.preempted(step, every_n_steps=2) for step in (1, 2)] == [False, False]
+        signal.raise_signal(signal.SIGUSR2)
+        assert [dist.preempted(step, every_n_steps=2) for step in (3, 4)] == [False, True]
+        with pytest.raises(SystemExit) as ended:
+            dist.exit_preempted(4)
+        assert ended.value.code == 75 and capsys.readouterr().err.splitlines()[-1].startswith(
+            "polytrain: preempted by SIGUSR2: every rank stopped after step 4, its checkpoint written at step 4")
+    finally:
+        signal.signal(signal.SIGUSR2, before)
