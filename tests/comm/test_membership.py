@@ -81,6 +81,9 @@ def test_hosts_update(driver_store) -> None:
     worker = _client(store, "localhost:0")
     assert worker.hosts_update() is None
     keys.set("hosts", json.dumps({"ts": time.time(), "flags": membership.ADDED}))
+    # TCPStore's set waits for no answer: another connection's check may reach the server first (CI saw None
+    # here). A get on the setter's own connection returns once the server has applied the set.
+    keys.get("hosts")
     ts, flags = worker.hosts_update()
     assert ts > 0 and flags == membership.ADDED
 
