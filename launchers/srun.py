@@ -181,7 +181,12 @@ def preemptible_program(program: tuple[str, ...], requeue: bool, name: str | Non
         added += ["--set", "preemption.requeue=auto" if requeue else "preemption.requeue=never"]
     if name and name not in ("TERM", "USR1") and "preemption.signals" not in given:
         added += ["--set", f"preemption.signals=[SIGTERM,SIGUSR1,SIG{name}]"]
-    if requeue and "--resume" not in program and not any(a.startswith("--resume=") for a in program):
+    resume = [program[i + 1] for i, a in enumerate(program[:-1]) if a == "--resume"] + [
+        a.removeprefix("--resume=") for a in program if a.startswith("--resume=")]
+    if requeue and any(value != "auto" for value in resume):
+        raise LaunchError(f"--requeue with --resume {resume[-1]}: the requeued job would start from that checkpoint "
+                          "again and lose what it trained since; use --resume auto (the run's newest checkpoint)")
+    if requeue and not resume:
         added += ["--resume", "auto"]
     return (*program, *added)
 

@@ -49,11 +49,11 @@ class RunInfo:
     local_rank: int
     spec: TrainSpec
 
+    stop: Any = field(default=None, repr=False, compare=False)  # the run's `polytrain.train.preemption.StepStop`
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    stop: Any = field(default=None, repr=False, compare=False)  # the run's `polytrain.train.preemption.StepStop`
 
     @property
     def output(self) -> Path:

@@ -100,10 +100,12 @@ def test_a_requeued_sbatch_passes_the_schedulers_signals_on_and_resumes(tmp_path
     ]
     spec = tmp_path / "spec.yaml"
     spec.write_text("preemption: {requeue: never}\n")  # the spec's own table is left as it is
-    program = (PY, "-m", "polytrain.cli", "train", str(spec), "--resume", "ckpt")
+    program = (PY, "-m", "polytrain.cli", "train", str(spec), "--resume=auto")
     assert srun.preemptible_program(program, True, "USR2") == (
         *program, "--set", "preemption.signals=[SIGTERM,SIGUSR1,SIGUSR2]")
     assert srun.preemptible_program((PY, "loop.py"), True, "USR1") == (PY, "loop.py")  # a script handles its own
+    with pytest.raises(LaunchError, match="--requeue with --resume ckpt: the requeued job would start from that"):
+        srun.preemptible_program((PY, "-m", "polytrain.cli", "train", "spec.yaml", "--resume", "ckpt"), True, None)
     only_signal = emit_sbatch(req(slurm=SlurmOptions(signal="TERM@30")))
     assert "#SBATCH --requeue" not in only_signal and "--set preemption.requeue=never &" in only_signal
 
