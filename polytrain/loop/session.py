@@ -7,8 +7,9 @@ must not wait for ranks stuck in a collective)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -38,8 +39,18 @@ class LoopSession:
 
     def _hold(self) -> None:
         atexit.register(self._end_at_exit)
+
+    @contextlib.contextmanager
+    def _setting_up(self) -> Iterator[None]:
+        """Around the backend's set-up: the spec's preemption signals are handled from its start (a signal during
+        the rendezvous counts at the first agreement), and put back as they were when the set-up fails."""
         self._stop = start_stop(self.spec.preemption, self.world.rank, "the folder the loop saves to")
         self._stop_calls = 0
+        try:
+            yield
+        except BaseException:
+            self._stop.close()
+            raise
 
     # ------------------------------------------------------------------ preemption
     def preempted(self, step: int | None = None, *, every_n_steps: int | None = None) -> bool:

@@ -75,14 +75,15 @@ class Distributed(LoopSession):
         self._optimizer: DistributedOptimizer | None = None
         self._ended = False
         self._owner = checkpoint.Owner(checkpoint.new_run_id())  # whose checkpoints `save` may replace and prune
-        try:
-            self.backend.setup()
-        except BackendUnavailableError as exc:
-            if "must set up TensorFlow's collectives" not in str(exc):
-                raise
-            raise OwnLoopError("backend: 'tf-multiworker' must set up TensorFlow's collectives before anything else "
-                               "runs on TensorFlow; make Distributed first, before building the model or dataset "
-                               "(or use backend 'mpi')") from None
+        with self._setting_up():
+            try:
+                self.backend.setup()
+            except BackendUnavailableError as exc:
+                if "must set up TensorFlow's collectives" not in str(exc):
+                    raise
+                raise OwnLoopError("backend: 'tf-multiworker' must set up TensorFlow's collectives before anything "
+                                   "else runs on TensorFlow; make Distributed first, before building the model or "
+                                   "dataset (or use backend 'mpi')") from None
         self._policy = keras.config.dtype_policy()  # put back by `end`
         if self.spec.precision == "bf16":
             keras.config.set_dtype_policy("mixed_bfloat16")

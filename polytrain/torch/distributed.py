@@ -107,7 +107,8 @@ class Distributed(LoopSession):
         self._ended = False
         self._owner = checkpoint.Owner(checkpoint.new_run_id())  # whose checkpoints `save` may replace and prune
         self._updates = 0  # optimizer steps taken (the activity's step numbers count from 1)
-        self.backend.setup()
+        with self._setting_up():
+            self.backend.setup()
         self._hold()
         reliability = self.spec.reliability
         self._watch.start(self.backend, reliability.stall_warning_s, reliability.collective_timeout_s)

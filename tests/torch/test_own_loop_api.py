@@ -292,3 +292,40 @@ def test_preempted_agrees_every_n_steps_and_exit_preempted_ends_with_75(capsys: 
             dist.preempted(7)
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+def test_a_signal_during_the_set_up_counts_and_a_failed_set_up_puts_the_handlers_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
+    from polytrain import registry
+
+    before = signal.getsignal(signal.SIGUSR2)
+    spec = {"preemption": {"signals": ["SIGUSR2"]}}
+    real = registry.create_backend
+
+    def backend_whose_setup(action):  # noqa: ANN001, ANN202
+        def create(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            backend = real(*args, **kwargs)
+            setup = backend.setup
+            backend.setup = lambda: (action(), setup())
+            return backend
+        return create
+
+    try:
+        monkeypatch.setattr(registry, "create_backend", backend_whose_setup(lambda: signal.raise_signal(signal.SIGUSR2)))
+        dist = Distributed("local", spec=spec)  # the signal came during the rendezvous
+        assert dist.preempted(1, every_n_steps=1) is True
+        dist.end()  # stopped: the signal stays ignored until this process exits
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+        signal.signal(signal.SIGUSR2, before)
+
+        def fails() -> None:
+            raise RuntimeError("rendezvous failed")
+
+        monkeypatch.setattr(registry, "create_backend", backend_whose_setup(fails))
+        with pytest.raises(RuntimeError, match="rendezvous failed"):
+            Distributed("local", spec=spec)
+        assert signal.getsignal(signal.SIGUSR2) is before
+    finally:
+        signal.signal(signal.SIGUSR2, before)
