@@ -105,6 +105,7 @@ PREEMPTIONS = {
 HOLD_AT = 15  # the step every rank waits at until the signal reached it (hold_for_signal.py)
 
 
+@pytest.mark.timeout(600)  # two runs of the job and a requeue: a hang guard with room for a loaded machine
 @pytest.mark.parametrize("how", list(PREEMPTIONS))
 def test_a_preempted_job_is_requeued_and_ends_on_the_uninterrupted_weights(
         slurm: SlurmCluster, plain_job: tuple, tmp_path: Path, how: str) -> None:
@@ -133,7 +134,7 @@ def test_a_preempted_job_is_requeued_and_ends_on_the_uninterrupted_weights(
         time.sleep(0.1)
     # Slurm holds a requeued job back for about two minutes (its begin time); start it now, as an admin may
     slurm.command("scontrol", "update", f"JobId={job}", "StartTime=now")
-    state = slurm.wait_job(job, timeout=240)
+    state = slurm.wait_job(job, timeout=400)
     text = log.read_text()
     assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "1"), \
         f"{state}\n{text}\n{slurm.logs()}"
