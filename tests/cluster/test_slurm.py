@@ -121,13 +121,13 @@ def test_a_preempted_job_is_requeued_and_ends_on_the_uninterrupted_weights(
                                 "-x", f"HOLD_AT={HOLD_AT}", "-x", f"HOLD_DIR={hold}"))
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@60" in script and "--resume auto" in script
     job = slurm.sbatch(tmp_path / "job.sh", f"--output={log}", "--open-mode=append", f"--chdir={REPO}")
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while len(list(hold.iterdir())) < 4:  # every rank holds at HOLD_AT: the signal lands mid-run
         assert time.monotonic() < deadline and job in slurm.jobs(), f"no rank reached step {HOLD_AT}\n" + (
             log.read_text() if log.exists() else "")
         time.sleep(0.1)
     slurm.command(*command, job)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240
     while slurm.job_state(job).get("JobState") != "PENDING":  # stopped and requeued
         assert time.monotonic() < deadline and job in slurm.jobs(), f"not requeued: {slurm.job_state(job)}\n" + (
             log.read_text())
