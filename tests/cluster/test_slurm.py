@@ -16,7 +16,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +105,17 @@ PREEMPTIONS = {
 HOLD_AT = 15  # the step every rank waits at until the signal reached it (hold_for_signal.py)
 
 
+def while_queued(slurm: SlurmCluster, job: str, ready: Callable[[], bool], what: str, log: Path,
+                 guard_s: float = 300) -> None:
+    """Wait until ``ready()``; the job must stay queued meanwhile. ``guard_s`` only ends a hang."""
+    deadline = time.monotonic() + guard_s
+    while not ready():
+        assert job in slurm.jobs(), f"job {job} ended before: {what}\n" + (log.read_text() if log.exists() else "")
+        if time.monotonic() > deadline:  # a hang guard, not a measurement
+            pytest.fail(f"job {job}: not {what} after {guard_s:g} s: hung?\n{slurm.job_state(job)}")
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(600)  # two runs of the job and a requeue: a hang guard with room for a loaded machine
 @pytest.mark.parametrize("how", list(PREEMPTIONS))
 def test_a_preempted_job_is_requeued_and_ends_on_the_uninterrupted_weights(
@@ -121,17 +132,10 @@ def test_a_preempted_job_is_requeued_and_ends_on_the_uninterrupted_weights(
                                 "-x", f"HOLD_AT={HOLD_AT}", "-x", f"HOLD_DIR={hold}"))
     assert "#SBATCH --requeue" in script and "#SBATCH --signal=B:USR1@60" in script and "--resume auto" in script
     job = slurm.sbatch(tmp_path / "job.sh", f"--output={log}", "--open-mode=append", f"--chdir={REPO}")
-    deadline = time.monotonic() + 300
-    while len(list(hold.iterdir())) < 4:  # every rank holds at HOLD_AT: the signal lands mid-run
-        assert time.monotonic() < deadline and job in slurm.jobs(), f"no rank reached step {HOLD_AT}\n" + (
-            log.read_text() if log.exists() else "")
-        time.sleep(0.1)
+    # every rank holds at HOLD_AT, so the signal lands mid-run
+    while_queued(slurm, job, lambda: len(list(hold.iterdir())) == 4, f"every rank at step {HOLD_AT}", log)
     slurm.command(*command, job)
-    deadline = time.monotonic() + 240
-    while slurm.job_state(job).get("JobState") != "PENDING":  # stopped and requeued
-        assert time.monotonic() < deadline and job in slurm.jobs(), f"not requeued: {slurm.job_state(job)}\n" + (
-            log.read_text())
-        time.sleep(0.1)
+    while_queued(slurm, job, lambda: slurm.job_state(job).get("JobState") == "PENDING", "stopped and requeued", log)
     # Slurm holds a requeued job back for about two minutes (its begin time); start it now, as an admin may
     slurm.command("scontrol", "update", f"JobId={job}", "StartTime=now")
     state = slurm.wait_job(job, timeout=400)
