@@ -2,8 +2,9 @@
 
 Open MPI's shared-memory transport backs each node's segment with a 16 MiB file
 (``/dev/shm/sm_segment.<host>.<uid>.<job>.<n>``, ``vader_segment.*`` in older releases) that the ranks unlink
-when they finalise. A rank killed by a signal never does, and neither mpirun nor the kernel removes the file:
-every failed run leaks 16 MiB of RAM-backed storage until the machine reboots.
+when they finalise. A rank killed by a signal never does, and the kernel does not remove the file: unless the
+launcher does (Open MPI 5.0.11's mpirun was measured to, for ranks killed by SIGKILL; a singleton has no
+launcher), every failed run leaks 16 MiB of RAM-backed storage until the machine reboots.
 
 `polytrain launch --launcher mpirun` notes the files that exist before the job and, after it, removes the
 new ones that no running process maps or holds open — a job still running beside it keeps its files.

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from procs import Finished, loopback_env, run
 
-from polytrain.launchers import find_binary, shm_leftovers
+from polytrain.launchers import find_binary
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -65,14 +65,12 @@ def failure_lines(stderr: str) -> list[str]:
 def test_a_killed_rank_is_named(tmp_path: Path, launcher: str) -> None:
     if launcher != "local":
         need(launcher)
-    shm_before = shm_leftovers.present()
     result = launch_spec(tmp_path, launcher, FAULT_RANK="1", FAULT_AT="7", FAULT_MODE="kill")
     assert result.returncode != 0
     lines = failure_lines(result.stderr)
     assert len(lines) == 1 and KILLED.match(lines[0]), result.stderr[-4000:]
     assert "ChildFailedError" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-4000:]
     assert result.left_behind == []
-    assert shm_leftovers.present() - shm_before == set()  # Open MPI's segment of the killed rank is gone
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
