@@ -112,8 +112,25 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     process_set.group = group
     process_set.process_set_id = state.next_process_set_id
     state.next_process_set_id += 1
+    _all_made(state, process_set.process_set_id)
     state.process_sets[process_set.process_set_id] = process_set
     return process_set
+
+
+def _all_made(state: Runtime, set_id: int) -> None:
+    """Return once every rank has made the set's group, as Horovod's registration does.
+
+    A rank outside the set makes nothing and would run ahead: rank 0, which hosts the store the members are
+    still connecting through, could reach its exit and take the store with it (CI saw the members' gloo
+    set-up fail with "Broken pipe"). Every rank calls this in the same order; the wait is on the store, so
+    no device collective runs beside a group being made.
+    """
+    if state.topology.size == 1:
+        return
+    key = f"process_set/{set_id}/made"
+    if state.store.add(key, 1) == state.topology.size:
+        state.store.set(f"{key}/all", "1")
+    state.store.wait([f"{key}/all"])
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
