@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv as csv_module
 import json
-import math
 import os
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any, TextIO, TypeVar
 
 from polytrain.errors import TrainingFailure
 from polytrain.observe import jsonfiles as jsonfiles
+from polytrain.observe.tfevents import TensorBoardFile
 from polytrain.observe.trackers import SCALAR_TAGS, Trackers, scalars
 
 T = TypeVar("T")
@@ -30,8 +30,8 @@ class MetricsLog:
     Other ranks get a log whose ``path`` is None: every call is a no-op. The files are opened at the first
     record, so a run that writes none (a resumed run that was already complete) leaves them as they were.
     ``metrics.jsonl`` is strict JSON (`polytrain.observe.jsonfiles`: a non-finite number is ``null``); TensorBoard gets
-    finite values only, under the tags of `polytrain.observe.trackers.SCALAR_TAGS`. TensorBoard events are written with
-    tensorboardX's record writer (`TensorBoardFile`) when it is installed.
+    finite values only, under the tags of `polytrain.observe.trackers.SCALAR_TAGS`. TensorBoard events are written by
+    `polytrain.observe.tfevents.TensorBoardFile` (no writer library: the one there was imports PyTorch).
 
     A write that fails (a full disk, a file too large) is a `TrainingFailure` naming the file, as a failed
     checkpoint write is: the run ends there, and nothing more is written. A line an earlier run left cut short (it
@@ -70,10 +70,7 @@ class MetricsLog:
             if new_csv:
                 self._do(csv_path, self._csv.writeheader)
         if self.tensorboard:
-            try:
-                self._tb = self._do(path.parent / "tb", lambda: TensorBoardFile(path.parent / "tb"))
-            except ImportError:
-                return self._file
+            self._tb = self._do(path.parent / "tb", lambda: TensorBoardFile(path.parent / "tb"))
         return self._file
 
     def write(self, event: str, **fields: Any) -> None:
@@ -132,37 +129,6 @@ def _append(path: Path, newline: str | None = None) -> TextIO:
         file.close()
         raise
     return file
-
-
-class TensorBoardFile:
-    """A TensorBoard event file written in the caller's thread with tensorboardX's record writer and protos: one
-    event per record, holding its scalars. Written to the file's buffer; flushed (and synced) with the first
-    record, then at most every ``flush_s`` seconds and at ``close``, as tensorboardX's `SummaryWriter` does with
-    ``flush_secs``, but without its queue and two threads, which wake on every scalar and compete with the
-    training step for the GIL and the cores."""
-
-    def __init__(self, logdir: Path, flush_s: float = 10.0) -> None:
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto import event_pb2, summary_pb2
-
-        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
-        logdir.mkdir(parents=True, exist_ok=True)
-        self._writer = EventsWriter(str(logdir / "events"))
-        #: the event file (tensorboardX names it after the time and the host)
-        self.path = Path(getattr(self._writer, "_file_name", logdir))
-        self.flush_s, self._flushed = flush_s, -math.inf  # the first record is flushed at once
-
-    def write(self, values: dict[str, float], step: int) -> None:
-        if values:
-            summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value)
-                                           for tag, value in values.items()])
-            self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=summary))
-        if time.monotonic() - self._flushed >= self.flush_s:  # a sync: a few ms, not per record
-            self._writer.flush()
-            self._flushed = time.monotonic()
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 def read_records(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:

@@ -163,3 +163,18 @@ def test_tensorboard_events_are_written_in_the_callers_thread_and_flushed_by_tim
     log.write("step", step=40, epoch=1, loss=0.0625, lr=0.1, samples_per_s=100.0)
     log.close()
     assert logged()[("train/loss", 40)] == 0.0625
+
+
+def test_event_records_are_framed_with_castagnoli_crcs_and_need_no_torch(tmp_path: Path) -> None:
+    """The CRC is CRC-32C (its check value), and writing events imports no framework: a TensorFlow rank would
+    otherwise pay PyTorch's import (tensorboardX's package imports it) for a log file."""
+    from polytrain.observe import tfevents
+
+    assert tfevents.crc32c(b"123456789") == 0xE3069283
+    assert tfevents._varint(-1) == b"\xff" * 9 + b"\x01" and tfevents._varint(300) == b"\xac\x02"
+    code = ("import sys; from pathlib import Path; from polytrain.observe.metrics import MetricsLog; "
+            f"log = MetricsLog(Path({str(tmp_path / 'metrics.jsonl')!r})); log.write('step', step=1, loss=0.5); "
+            "log.close(); print(sorted({'torch', 'tensorflow', 'tensorboardX'} & set(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
