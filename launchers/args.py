@@ -237,17 +237,14 @@ ELASTIC_LAUNCHERS = ("local", "horovodrun")
 
 def _spec_elastic(command: Sequence[str]) -> Any:
     """The ``elastic`` table of the spec ``command`` runs (None: a script, no such table, or a spec not here)."""
-    from polytrain.errors import UserError
     from polytrain.launchers.base import set_values
-    from polytrain.spec.files import apply_overrides, load_raw
+    from polytrain.spec.files import readable_with_overrides
 
     target, program_args, _ = _split_command(list(command))
     if not target.endswith(SPEC_SUFFIXES) or not Path(target).is_file():
         return None
-    try:  # a spec without the table is left to the usual checks (a dry run checks none)
-        raw = apply_overrides(load_raw(target), set_values(program_args))
-    except UserError:
-        return None
+    # a spec without the table is left to the usual checks (a dry run checks none)
+    raw = readable_with_overrides(target, set_values(program_args)) or {}
     return launch_spec(target, program_args).elastic if "elastic" in raw else None
 
 

@@ -197,11 +197,7 @@ LAUNCHER = SrunLauncher()
 def _has_preemption_table(spec: str, program_args: tuple[str, ...]) -> bool:
     """Whether the spec (with its --set values) has a ``preemption`` table of its own, to leave as it is; a spec
     that cannot be read here (it lives on the cluster) counts as one without."""
-    from polytrain.errors import UserError
-    from polytrain.spec.files import apply_overrides, load_raw
+    from polytrain.spec.files import readable_with_overrides
 
-    try:
-        return "preemption" in apply_overrides(load_raw(spec), set_values(program_args))
-    except (UserError, OSError):
-        return False
+    return "preemption" in (readable_with_overrides(spec, set_values(program_args)) or {})
 

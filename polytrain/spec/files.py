@@ -171,3 +171,14 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             node = child
         node[parts[-1]] = value
     return out
+
+
+def readable_with_overrides(path: str | Path, overrides: Sequence[str]) -> dict[str, Any] | None:
+    """The spec file's tables with ``overrides`` applied, or None where that cannot be read here (a launcher
+    building a command for another machine looks at the spec only to add what it lacks)."""
+    from polytrain.errors import UserError
+
+    try:
+        return apply_overrides(load_raw(path), overrides)
+    except (UserError, OSError):
+        return None
