@@ -15,11 +15,9 @@ other backends:
 - clipping: ``gradient_clipping`` is always written (0.0 = off), since DeepSpeed's
   default has changed between releases; DeepSpeed clips inside ``engine.step()``.
 
-On CPU DeepSpeed's accelerator is ``cpu`` and collectives go through the gloo group
-polytrain starts. The shared-memory op DeepSpeed compiles at start-up on CPU
-(``deepspeed_shm_comm``, ~2 min) serves only its inference all-reduce, so it is skipped;
-JIT-built ops that remain (e.g. ``cpu_adam`` if a config override asks for it) are
-cached under ``~/.cache/polytrain/torch_extensions`` (``TORCH_EXTENSIONS_DIR``).
+On CPU DeepSpeed's accelerator is ``cpu`` and collectives go through the gloo group polytrain starts. The shared-memory op DeepSpeed compiles at start-up on CPU
+(``deepspeed_shm_comm``, ~2 min) serves only its inference all-reduce, so it is skipped; JIT-built ops that remain
+(e.g. ``cpu_adam`` if a config override asks for it) are cached under ``~/.cache/polytrain/torch_extensions``.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -112,6 +111,20 @@ def _prepare_environment(device: torch.device) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
 
 
+def _import_deepspeed() -> Any:
+    """``import deepspeed``, without the MLflow import its autotuner (which polytrain never runs) makes when MLflow
+    is installed: ~2 s of CPU in every rank. MLflow imported already (a tracker) is left as it is."""
+    hide = "mlflow" not in sys.modules and "deepspeed" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # its `import mlflow` fails; it carries on without
+    try:
+        import deepspeed
+    finally:
+        if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def _skip_shm_op() -> None:
     """Keep DeepSpeed from compiling its CPU shared-memory op: only its inference all-reduce uses it."""
     import deepspeed.ops
@@ -134,7 +147,7 @@ class DeepSpeedBackend(TorchBackend):
         os.environ.setdefault("LOCAL_RANK", str(self.world.local_rank))
         # before any group exists: deepspeed.comm's barrier takes group=GroupMember.WORLD as a default, evaluated
         # at import, which would hold our group past its destruction (see backend.import_before_group)
-        import deepspeed
+        deepspeed = _import_deepspeed()
         from deepspeed.accelerator import get_accelerator
 
         super().setup()

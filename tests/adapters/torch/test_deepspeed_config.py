@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -197,3 +200,17 @@ def test_skipping_nonfinite_steps_needs_zero_stage_0() -> None:
     with pytest.raises(SpecError, match="reliability.on_nonfinite: 'skip' needs deepspeed.stage 0"):
         make(deepspeed={"stage": 2}, reliability={"on_nonfinite": "skip"})
     assert make(deepspeed={"stage": 0}, reliability={"on_nonfinite": "skip"}).deepspeed.stage == 0
+
+
+@pytest.mark.timeout(120)
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable() -> None:
+    """DeepSpeed's autotuner imports MLflow when it is installed (~2 s of CPU in every rank; polytrain never runs
+    the autotuner): the backend's import leaves it out, and a tracker's later ``import mlflow`` still works."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("mlflow")
+    code = ("import sys; from polytrain.adapters.torch.deepspeed import _import_deepspeed; ds = _import_deepspeed(); "
+            "print('mlflow' in sys.modules, ds.__name__); import mlflow; print(mlflow.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "deepspeed", "mlflow"]
