@@ -34,6 +34,7 @@ from polytrain.launchers.failure_report import (
 )
 from polytrain.launchers.launcher_output import LauncherOutput
 from polytrain.launchers.processes import supervise
+from polytrain.launchers.stopping import stop_policy
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 
@@ -146,10 +147,8 @@ def procs_per_node(req: LaunchRequest) -> int:
     """-np split evenly over the nodes; launchers that start P per node need it to divide."""
     nodes = req.num_nodes
     if req.nproc % nodes:
-        raise LaunchError(
-            f"-np {req.nproc} does not divide evenly over {nodes} nodes; "
-            f"{req.launcher} starts the same number of processes on every node"
-        )
+        raise LaunchError(f"-np {req.nproc} does not divide evenly over {nodes} nodes; "
+                          f"{req.launcher} starts the same number of processes on every node")
     return req.nproc // nodes
 
 
@@ -162,9 +161,7 @@ def check_slots(req: LaunchRequest) -> None:
 
 def refuse_restarts(req: LaunchRequest) -> None:
     if req.max_restarts:
-        raise LaunchError(
-            f"--max-restarts is supported by the torchrun and local launchers, not {req.launcher}"
-        )
+        raise LaunchError(f"--max-restarts is supported by the torchrun and local launchers, not {req.launcher}")
 
 
 def first_host(req: LaunchRequest) -> str | None:
@@ -219,9 +216,8 @@ def program_for_target(target: str, args: Sequence[str] = ()) -> tuple[str, ...]
         return (sys.executable, target, *args)
     if target.endswith(SPEC_SUFFIXES):
         return (sys.executable, "-m", "polytrain.cli", "train", target, *args)
-    raise LaunchError(
-        f"launch target {target!r} must be a training spec ({', '.join(SPEC_SUFFIXES)}) or a Python script (.py)"
-    )
+    raise LaunchError(f"launch target {target!r} must be a training spec ({', '.join(SPEC_SUFFIXES)}) or a Python "
+                      "script (.py)")
 
 
 def set_values(program_args: Sequence[str]) -> list[str]:
@@ -357,6 +353,9 @@ class CommandLauncher(Launcher):
     binary = ""
     leaves_shm = False
 
+    def ends_ranks_on_term(self, req: LaunchRequest) -> bool:  # rather than letting them stop (`stopping`)
+        return False
+
     def launcher_env(self, req: LaunchRequest) -> dict[str, str]:
         return dict(req.env)
 
@@ -383,11 +382,12 @@ class CommandLauncher(Launcher):
             command = self.resolved_command(req, required=True)
             outputs = [LauncherOutput(fd, debug=req.debug, frames=self.reading.frames) for fd in (1, 2)]
             shm_before = shm_leftovers.present() if self.leaves_shm else None
+            stop = stop_policy(req.program, self.ends_ranks_on_term(req))
             try:
                 with exit_board.DeathWatch(board) as watch:
                     base = {k: v for k, v in os.environ.items() if k not in set(hidden)}
-                    outcome = supervise([command], [{**base, **self.launcher_env(req)}],
-                                        stdout=outputs[0].open(), stderr=outputs[1].open())
+                    outcome = supervise([command], [{**base, **self.launcher_env(req)}], grace=stop.grace,
+                                        forward_as=stop.forward_as, stdout=outputs[0].open(), stderr=outputs[1].open())
             finally:
                 text = "\n".join(output.finish() for output in reversed(outputs))
                 if shm_before is not None:

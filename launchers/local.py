@@ -19,6 +19,7 @@ from polytrain.launchers import exit_board
 from polytrain.launchers.base import Launcher, LaunchRequest, format_command, is_single_local_host
 from polytrain.launchers.failure_report import report_worker_failure
 from polytrain.launchers.processes import GRACE_SECONDS, supervise
+from polytrain.launchers.stopping import stop_policy
 
 LOOPBACK = "127.0.0.1"
 
@@ -67,13 +68,14 @@ def run_group(
     named. Returns the exit code.
     """
     base = dict(os.environ if base_env is None else base_env)
+    stop_grace = max(grace, stop_policy(req.program, False).grace)  # a preemptible spec's grace_s
     attempt = 0
     while True:
         port = req.master_port or free_port()
         with exit_board.board() as board:
             envs = [{**base, **extra, exit_board.BOARD_VARIABLE: str(board)}
                     for extra in env_factory(req, port, attempt)]
-            outcome = supervise([req.program] * req.nproc, envs, grace=grace,
+            outcome = supervise([req.program] * req.nproc, envs, grace=stop_grace,
                                 on_failure=lambda codes: report_worker_failure(codes, exit_board.read_board(board)))
         if outcome.code == 0 or outcome.signal is not None or attempt >= req.max_restarts:
             return outcome.code

@@ -174,6 +174,9 @@ class MpirunLauncher(CommandLauncher):
             )
         return flavour
 
+    def ends_ranks_on_term(self, req: LaunchRequest) -> bool:
+        return self.flavour(req) == OPENMPI  # measured with 5.0.11; Hydra's handling is not known here
+
     def binary_name(self, req: LaunchRequest) -> str:
         if self.flavour(req) != HYDRA:
             return "mpirun"

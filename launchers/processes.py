@@ -87,8 +87,10 @@ def _terminate(procs: Sequence[subprocess.Popen], grace: float) -> None:
 
 
 @contextmanager
-def _forwarding(procs: list[subprocess.Popen], received: list[int]) -> Iterator[None]:
-    """While inside, SIGINT/SIGTERM go to every still-running group instead of killing us."""
+def _forwarding(procs: list[subprocess.Popen], received: list[int],
+                forward_as: Mapping[int, int] | None = None) -> Iterator[None]:
+    """While inside, SIGINT/SIGTERM go to every still-running group instead of killing us (as the signal
+    ``forward_as`` maps them to, where it does)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -97,7 +99,7 @@ def _forwarding(procs: list[subprocess.Popen], received: list[int]) -> Iterator[
         received.append(signum)
         for proc in procs:
             if proc.returncode is None:
-                _killpg(proc.pid, signum)
+                _killpg(proc.pid, (forward_as or {}).get(signum, signum))
 
     previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -116,6 +118,7 @@ def supervise(
     stdout: int | None = None,
     stderr: int | None = None,
     stdin: int | Sequence[int] | None = None,
+    forward_as: Mapping[int, int] | None = None,
 ) -> Outcome:
     """Run ``commands[i]`` with environment ``envs[i]`` concurrently; see the module doc."""
     if len(commands) != len(envs):
@@ -125,7 +128,7 @@ def supervise(
         raise ValueError("supervise needs one stdin per command")
     procs: list[subprocess.Popen] = []
     received: list[int] = []
-    with _forwarding(procs, received):
+    with _forwarding(procs, received, forward_as):
         try:
             for command, env, command_stdin in zip(commands, envs, stdins):
                 if received:

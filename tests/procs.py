@@ -133,7 +133,8 @@ def command(launcher: str, program: Sequence[str], nproc: int = 1, *, exports: S
     ``python`` one process (``python``: the interpreter's command, e.g. a wrapper that sets limits first);
     ``torchrun`` on loopback at a free port; ``mpirun`` (Open MPI, ``-x NAME`` for each of ``exports``);
     ``horovodrun-gloo`` / ``horovodrun-mpi`` on localhost's ``nproc`` slots over ``lo``; ``launch-<name>``:
-    ``polytrain launch --launcher <name>``, whose program is a spec or a script (no ``-m``).
+    ``polytrain launch --launcher <name>`` (``-x NAME`` for each of ``exports``), whose program is a spec or a script
+    (no ``-m``).
     """
     if launcher == "python":
         return [*python, *program]
@@ -147,7 +148,8 @@ def command(launcher: str, program: Sequence[str], nproc: int = 1, *, exports: S
         return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", f"--{launcher.partition('-')[2]}",
                 "--network-interface", "lo", *python, *program]
     if launcher.startswith("launch-"):
-        return [*python, *CLI, "launch", "--launcher", launcher.partition("-")[2], "-np", str(nproc), *program]
+        return [*python, *CLI, "launch", "--launcher", launcher.partition("-")[2], "-np", str(nproc),
+                *[a for name in exports for a in ("-x", name)], *program]
     raise ValueError(f"unknown launcher {launcher!r}")
 
 

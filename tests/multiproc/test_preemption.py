@@ -3,7 +3,8 @@ exit code 75; ``--resume auto`` then ends on exactly the weights of a run that w
 
 The signal comes from a callback (signal_at.py) at the end of a chosen step: to one rank of two (what a node-local
 agent sends; under torchrun and mpirun), to every rank, or to torchrun's agent, which passes it on to every rank
-(what Kubernetes sends a pod); and to a single process (SIGUSR1, Slurm's ``--signal``). The ranks agree on the first logging window that
+(what Kubernetes sends a pod), or to `polytrain launch` above Open MPI's mpirun (which would end its ranks on a
+SIGTERM: they get SIGUSR1, see launchers/stopping.py); and to a single process (SIGUSR1, Slurm's ``--signal``). The ranks agree on the first logging window that
 closes after it (every ``loop.log_every_n_steps``: 4 here, and at each epoch's end), so the stop step is known in
 advance except where the launcher passes the signal on: there it is the last step the run logged.
 """
@@ -32,21 +33,26 @@ SPEC = {"framework": "torch", "model": {"name": "mlp", "params": {"hidden_sizes"
 PREEMPTED = 75
 
 #: the launchers and backends: (launcher, ranks, backend)
-JOBS = {"torchrun": ("torchrun", 2, "ddp"), "mpirun": ("mpirun", 2, "mpi"), "python": ("python", 1, "local")}
+JOBS = {"torchrun": ("torchrun", 2, "ddp"), "mpirun": ("mpirun", 2, "mpi"), "python": ("python", 1, "local"),
+        "launch-mpirun": ("launch-mpirun", 2, "mpi")}
+#: jobs whose uninterrupted run is another's: the same ranks and backend
+SAME_RUN = {"launch-mpirun": "mpirun"}
 #: case: (job, signal name, SIGNAL_AT, SIGNAL_RANKS, SIGNAL_TARGET)
 CASES = {
     "one rank of two, signalled twice": ("torchrun", "SIGTERM", "5,6", "1", "self"),
     "every rank, at an epoch's end": ("torchrun", "SIGTERM", "11", "all", "self"),
     "torchrun's agent": ("torchrun", "SIGTERM", "5", "0", "parent"),
     "one rank of two under mpirun": ("mpirun", "SIGTERM", "5", "1", "self"),
+    "polytrain launch above mpirun": ("launch-mpirun", "SIGTERM", "5", "0", "launch"),
     "one process, SIGUSR1": ("python", "SIGUSR1", "5", "0", "self"),
 }
 
 
-def spec_file(tmp: Path, signal_name: str, **loop: int) -> Path:
+def spec_file(tmp: Path, signal_name: str | None, **loop: int) -> Path:
+    """The spec, its preemption table handling ``signal_name`` (None: the table's default signals)."""
     path = tmp / "spec.json"
     spec = json.loads(json.dumps(SPEC))
-    spec["preemption"] = {"signals": [signal_name]}
+    spec["preemption"] = {"signals": [signal_name]} if signal_name else {}
     spec["loop"].update(loop)
     path.write_text(json.dumps(spec))
     return path
@@ -63,7 +69,7 @@ def job(out: Path, spec: Path, name: str, resume: bool = False, **signal: str):
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, list[int]]]:
     """The run never interrupted, per job: its weights and the steps its logging windows closed at."""
     runs: dict[str, tuple[dict, list[int]]] = {}
-    for name in JOBS:
+    for name in (name for name in JOBS if name not in SAME_RUN):
         tmp = tmp_path_factory.mktemp(f"uninterrupted-{name}")
         done = job(tmp / "out", spec_file(tmp, "SIGTERM"), name)
         check(done)
@@ -76,11 +82,11 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[d
 def test_a_signal_stops_every_rank_at_one_step_and_the_resumed_run_ends_on_the_uninterrupted_weights(
         uninterrupted: dict, tmp_path: Path, case: str) -> None:
     launcher, name, at, ranks, target = CASES[case]
-    out, spec = tmp_path / "out", spec_file(tmp_path, name)
+    out, spec = tmp_path / "out", spec_file(tmp_path, None if target == "launch" else name)
     stopped = job(out, spec, launcher, SIGNAL_AT=at, SIGNAL_RANKS=ranks, SIGNAL_TARGET=target, SIGNAL_NAME=name)
     assert not stopped.left_behind, stopped.left_behind
     text = stopped.stdout + stopped.stderr
-    if launcher != "torchrun":  # one process, or mpirun passing on its ranks' code
+    if launcher != "torchrun":  # one process, or mpirun (and polytrain launch) passing on its ranks' code
         assert stopped.returncode == PREEMPTED, text[-3000:]
     elif target == "parent":  # torchrun ends on the signal itself, after its ranks, without their codes
         assert stopped.returncode != 0 and "got signal: 15" in text, text[-3000:]
@@ -92,7 +98,7 @@ def test_a_signal_stops_every_rank_at_one_step_and_the_resumed_run_ends_on_the_u
     assert found, text[-3000:]
     step = int(found.group(2))
     assert int(found.group(3)) == step
-    weights, closes = uninterrupted[launcher]
+    weights, closes = uninterrupted[SAME_RUN.get(launcher, launcher)]
     first = int(at.split(",")[0])
     if target == "self":  # the first logging window closing after the signal
         assert step == min(c for c in closes if c > first), (step, closes)
