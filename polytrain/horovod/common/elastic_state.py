@@ -10,16 +10,22 @@ failed collective and how it restarts Horovod.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from polytrain.environments.detect import restart_count
+from polytrain.horovod.common import elastic_stop
 from polytrain.horovod.common.elastic_files import state_dir
+from polytrain.train.preemption import NO_STOP
 
 
 class ObjectStateBase:
     """Plain values kept in step across ranks and restored on failure; each one is an attribute."""
+
+    _stop: Any = NO_STOP  # the preemption signals at work (`elastic_stop`), set by `retrying`
+    _commits = 0
 
     def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int], **kwargs: Any) -> None:
         self._bcast_object = bcast_object
@@ -29,6 +35,10 @@ class ObjectStateBase:
         self._set_attrs()
 
     def _barrier(self) -> None:
+        raise NotImplementedError
+
+    def _sum(self, value: float) -> float:
+        """``value`` summed over the ranks (a collective)."""
         raise NotImplementedError
 
     def _read_state(self, directory: Path) -> Any | None:
@@ -45,8 +55,16 @@ class ObjectStateBase:
 
     def check_host_updates(self) -> None:
         """A sync point; Horovod also raises HostsUpdatedInterrupt here, but the shim's world
-        changes only by a restart."""
-        self._barrier()
+        changes only by a restart. With preemption signals handled (`elastic_stop`) the sync is the
+        all-reduce of the ranks' notes instead of the barrier, and raises `StoppedAtCommit` on every rank
+        once one of them was signalled."""
+        if self._stop.spec is None:
+            self._barrier()
+            return
+        self._commits += 1
+        self._stop.heard(self._sum(self._stop.asked), self._commits)
+        if self._stop.due(self._commits):
+            raise elastic_stop.StoppedAtCommit
 
     def save(self) -> None:
         self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
@@ -76,7 +94,7 @@ class ObjectStateBase:
 
     def load_persisted(self) -> bool:
         """On rank 0 of a restarted job (`restart_count`), restore the last commit written; whether there was one."""
-        if self._rank() != 0 or restart_count() == 0:
+        if self._rank() != 0 or (restart_count() == 0 and not elastic_stop.take_mark(state_dir())):
             return False
         snapshot = self._read_state(state_dir())
         if snapshot is None:
@@ -90,20 +108,33 @@ def retrying(func: Callable[..., Any], *, begin: Callable[[ObjectStateBase], obj
     """``hvd.elastic.run(func)``: ``begin(state)`` once (a restarted job restores its last commit), then each
     attempt syncs ``state`` from rank 0 and calls ``func(state, ...)``; an exception ``failed`` says is a failed
     collective rolls ``state`` back to its last commit, ``restart()`` shuts Horovod down and initialises it again,
-    the reset callbacks run, and it tries again. Any other exception ends the run."""
+    the reset callbacks run, and it tries again. Any other exception ends the run. A preemption signal
+    (`elastic_stop`) ends it at the next commit with exit code 75 on every rank."""
 
     @functools.wraps(func)
     def wrapper(state: ObjectStateBase, *args: Any, **kwargs: Any) -> Any:
-        begin(state)
-        while True:
-            state.sync()
-            try:
-                return func(state, *args, **kwargs)
-            except Exception as error:
-                if not failed(error):
-                    raise
-                state.restore()
-            restart()
-            state.on_reset()
+        state._stop = stop = elastic_stop.start(state._rank())
+        try:
+            begin(state)
+            while True:
+                state.sync()
+                try:
+                    return func(state, *args, **kwargs)
+                except Exception as error:
+                    if not failed(error):
+                        raise
+                    state.restore()
+                restart()
+                state.on_reset()
+        except elastic_stop.StoppedAtCommit:
+            if state._rank() == 0:
+                elastic_stop.mark(state_dir())
+            stopped = stop.end(None, resume=elastic_stop.RESUME)
+            if stopped.show:
+                print(f"polytrain: {stopped}", file=sys.stderr, flush=True)
+            raise SystemExit(stopped.exit_code) from None
+        finally:
+            stop.close()
+            state._stop = NO_STOP
 
     return wrapper

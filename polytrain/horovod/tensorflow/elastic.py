@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from polytrain.horovod.common import HorovodArgumentError, HorovodInternalError
+from polytrain.horovod.common import HorovodArgumentError, HorovodInternalError, Sum
 from polytrain.horovod.common.elastic_files import (
     STATE_DIR_VARIABLE,
     ElasticStateError,
@@ -97,6 +97,9 @@ class ObjectState(ObjectStateBase):
     def _barrier(self) -> None:
         _impl.barrier()
 
+    def _sum(self, value: float) -> float:
+        return float(_impl.allreduce(tf.constant([value], tf.float64), op=Sum, name="elastic.preempted")[0])
+
     def _read_state(self, directory: Path) -> Any | None:
         return read_state(directory)
 
@@ -109,6 +112,8 @@ class ObjectState(ObjectStateBase):
         """
         self.save()
         _agree_on_rank0(self.persist, "write the commit")
+        if self._stop.spec is not None:  # preemption signals handled: the ranks agree here (one all-reduce)
+            self.check_host_updates()
 
     def persist(self) -> None:
         """Write the last commit to `state_dir` (what rank 0 does on every commit)."""

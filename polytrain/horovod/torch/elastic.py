@@ -32,6 +32,7 @@ import torch
 from polytrain.horovod.common import HorovodInternalError, elastic_files
 from polytrain.horovod.common.elastic_files import STATE_DIR_VARIABLE, state_dir
 from polytrain.horovod.common.elastic_state import ObjectStateBase, retrying
+from polytrain.horovod.common.ops import Sum
 from polytrain.horovod.torch import basics
 from polytrain.horovod.torch.collectives import barrier
 from polytrain.horovod.torch.functions import (
@@ -39,6 +40,7 @@ from polytrain.horovod.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from polytrain.horovod.torch.ops import allreduce
 
 
 class TorchTensors(elastic_files.Tensors):
@@ -96,6 +98,9 @@ class ObjectState(ObjectStateBase):
 
     def _barrier(self) -> None:
         barrier()
+
+    def _sum(self, value: float) -> float:
+        return float(allreduce(torch.tensor([value], dtype=torch.float64), op=Sum, name="elastic.preempted")[0])
 
     def _read_state(self, directory: Path) -> Any | None:
         return read_state(directory)

@@ -1,6 +1,7 @@
-"""hvd.elastic: commit/restore in process, and resuming a job that torchrun restarted."""
+"""hvd.elastic: commit/restore in process, resuming a job that torchrun restarted, and a preempted job."""
 
 import json
+import re
 import stat
 from pathlib import Path
 
@@ -39,3 +40,27 @@ def test_internal_error_rolls_back_and_reinitialises_in_process(tmp_path):
     assert starts(Path(completed.result_dir)) == [(0, 0, 0), (0, 0, 3), (0, 1, 0), (0, 1, 3)]
     per_rank = results(completed)
     assert all(d["max_error"] < 1e-6 and d["epochs"] == 6 and d["losses"] == 6 for d in per_rank.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_preemption_signal_stops_every_rank_at_one_commit_and_the_next_start_resumes_there(tmp_path):
+    """Rank 1 gets SIGTERM before epoch 3's commit: every rank stops right after that commit (the commit's sync is
+    the agreement), exit 75; the next start (no restart count: a requeue, a relaunch) resumes from it and ends on
+    the weights of training never interrupted."""
+    state = tmp_path / "state"
+    env = {"POLYTRAIN_HOROVOD_ELASTIC_DIR": str(state), "POLYTRAIN_PREEMPTION_SIGNALS": "SIGTERM,SIGUSR1",
+           "POLYTRAIN_PREEMPTION_REQUEUE": "never"}
+    stopped = launch("mpirun", 2, WORKERS / "elastic_train.py", "preempt", env=env, expect_ok=False)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    said = re.findall(r"^polytrain: preempted by (.+?): every rank stopped after step (\d+); the job's next start "
+                      r"resumes from that commit", stopped.stderr, re.M)
+    assert said == [("a signal to another rank", "3")], stopped.stderr[-3000:]  # rank 0's line, after commit 3
+    assert starts(Path(stopped.result_dir)) == [(0, 0, 0), (0, 1, 0)]
+    assert not list(Path(stopped.result_dir).glob("rank*.json"))  # it stopped: no rank finished
+    assert sorted(p.name for p in state.iterdir()) == ["preempted", "state.safetensors"]
+
+    resumed = launch("mpirun", 2, WORKERS / "elastic_train.py", "preempt", env=env)
+    assert starts(Path(resumed.result_dir)) == [(0, 0, 3), (0, 1, 3)]
+    for final in results(resumed).values():
+        assert final["epochs"] == 6 and final["losses"] == 6 and final["max_error"] < 1e-6
+    assert [p.name for p in state.iterdir()] == ["state.safetensors"]  # the mark holds for one start

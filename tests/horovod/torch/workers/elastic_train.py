@@ -1,6 +1,8 @@
 """Elastic training; ``crash`` mode: under ``torchrun --max-restarts=1`` rank 1 dies once right
 after epoch 3's commit; ``raise`` mode: every rank hits a HorovodInternalError once in epoch 4
-(after uncommitted progress) and ``hvd.elastic.run`` rolls back and re-initialises in process.
+(after uncommitted progress) and ``hvd.elastic.run`` rolls back and re-initialises in process; ``preempt`` mode:
+rank 1 gets a real SIGTERM in epoch 3, before its commit (with POLYTRAIN_PREEMPTION_SIGNALS set, every rank stops
+at that commit with exit code 75; the next start resumes there).
 
 Every start appends ``{"rank", "restart", "start_epoch"}`` to $RESULT_DIR/starts.jsonl; at the
 end each rank reports its weights and those of the same training done in one process.
@@ -8,6 +10,7 @@ end each rank reports its weights and those of the same training done in one pro
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -52,6 +55,8 @@ def train(state):
         if MODE == "raise" and epoch == 3 and not failed:
             failed.append(epoch)  # progress of epoch 4 is not committed: it must be redone
             raise hvd.HorovodInternalError("simulated failure of a collective")
+        if MODE == "preempt" and epoch == 2 and r == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # noted only: every rank stops at this epoch's commit
         state.commit()
         if MODE == "crash" and epoch == 2 and r == 1 and restart == 0:
             os._exit(1)  # a crash right after committing epoch 3
