@@ -228,7 +228,27 @@ def launch_from_args(args: argparse.Namespace) -> int:
                           "the spec's preemption table handles the signals")
     if not args.dry_run:
         check_spec(args.launch_command, local=not req.hosts, world_size=req.nproc)
+        if _spec_preflight(args.launch_command):
+            from polytrain.commands.doctor import preflight
+
+            code = preflight(req, _spec_paths(args.launch_command))
+            if code:
+                return code
     return run(req, dry_run=args.dry_run)
+
+
+def _spec_preflight(command: Sequence[str]) -> bool:
+    """Whether the spec ``command`` runs asks for ``preflight: true`` (a script or a spec not here: no)."""
+    target, program_args, _ = _split_command(list(command))
+    if not target.endswith(SPEC_SUFFIXES) or not Path(target).is_file():
+        return False
+    return launch_spec(target, program_args).preflight
+
+
+def _spec_paths(command: Sequence[str]) -> list[str]:
+    target, program_args, _ = _split_command(list(command))
+    spec = launch_spec(target, program_args)
+    return [spec.output, str(spec.checkpoint_dir)]
 
 
 #: the launchers whose jobs polytrain's elastic driver runs (--elastic, or a spec's elastic table)
@@ -237,8 +257,7 @@ ELASTIC_LAUNCHERS = ("local", "horovodrun")
 
 def _spec_elastic(command: Sequence[str]) -> Any:
     """The ``elastic`` table of the spec ``command`` runs (None: a script, no such table, or a spec not here)."""
-    from polytrain.launchers.base import set_values
-    from polytrain.spec.files import readable_with_overrides
+    from polytrain.spec.files import readable_with_overrides, set_values
 
     target, program_args, _ = _split_command(list(command))
     if not target.endswith(SPEC_SUFFIXES) or not Path(target).is_file():

@@ -35,6 +35,7 @@ from polytrain.launchers.failure_report import (
 from polytrain.launchers.launcher_output import LauncherOutput
 from polytrain.launchers.processes import supervise
 from polytrain.launchers.stopping import stop_policy
+from polytrain.spec.files import set_values
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 
@@ -218,17 +219,6 @@ def program_for_target(target: str, args: Sequence[str] = ()) -> tuple[str, ...]
         return (sys.executable, "-m", "polytrain.cli", "train", target, *args)
     raise LaunchError(f"launch target {target!r} must be a training spec ({', '.join(SPEC_SUFFIXES)}) or a Python "
                       "script (.py)")
-
-
-def set_values(program_args: Sequence[str]) -> list[str]:
-    """The ``--set KEY=VALUE`` overrides among the arguments for ``polytrain train``."""
-    values = []
-    for i, arg in enumerate(program_args):
-        if arg == "--set":
-            values.append(program_args[i + 1] if i + 1 < len(program_args) else "")
-        elif arg.startswith("--set="):
-            values.append(arg.removeprefix("--set="))
-    return values
 
 
 def launch_spec(target: str, program_args: Sequence[str]) -> Any:

@@ -34,8 +34,7 @@ class StopPolicy:
 def preemption_table(program: Sequence[str]) -> dict | None:
     """The ``preemption`` table (with --set values) of the spec ``polytrain train`` runs here, or None: a script,
     a spec without the table, or one that cannot be read here."""
-    from polytrain.launchers.base import set_values
-    from polytrain.spec.files import readable_with_overrides
+    from polytrain.spec.files import readable_with_overrides, set_values
 
     if tuple(program[1:4]) != ("-m", "polytrain.cli", "train") or len(program) < 5:
         return None

@@ -164,6 +164,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return plan_from_args(args)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from polytrain.commands.doctor import doctor_from_args
+
+    return doctor_from_args(args)
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -258,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(plan_p)
     plan_p.set_defaults(func=_cmd_plan)
 
+    doctor = sub.add_parser("doctor", help="pre-flight check on the job's ranks: the slow rank, link or host, "
+                            "mismatched versions, clocks and disks, named before training")
+    from polytrain.commands.doctor import add_doctor_arguments
+
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(func=_cmd_doctor)
     sweep_p = sub.add_parser("sweep", help="a grid of runs of one spec as Ray Tune trials: a table of the trials, "
                                            "the best by a metric marked, and a CSV")
     from polytrain.commands.sweep import add_sweep_arguments

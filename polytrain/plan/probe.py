@@ -25,7 +25,7 @@ REPEATS = 5
 MARK = "POLYTRAIN_PROBE"
 
 
-def _best_seconds(run: Any, sync: Any) -> float:
+def best_seconds(run: Any, sync: Any) -> float:
     run()  # warm-up: connections, allocations
     sync()
     best = float("inf")
@@ -37,24 +37,24 @@ def _best_seconds(run: Any, sync: Any) -> float:
     return best
 
 
-def _all_reduce_speed(group: Any, size: int, nbytes: int, device: Any) -> float:
+def all_reduce_speed(group: Any, size: int, nbytes: int, device: Any) -> float:
     import torch
     import torch.distributed as dist
 
     buffer = torch.ones(nbytes // 4, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = _best_seconds(lambda: dist.all_reduce(buffer, group=group), sync)
+    seconds = best_seconds(lambda: dist.all_reduce(buffer, group=group), sync)
     return 2 * (size - 1) / size * nbytes / seconds / 1e9
 
 
-def _host_speed(device: Any, nbytes: int) -> float | None:
+def host_speed(device: Any, nbytes: int) -> float | None:
     import torch
 
     if device.type != "cuda":
         return None
     on_device = torch.ones(nbytes // 4, device=device)
     on_host = torch.empty(nbytes // 4, pin_memory=True)
-    seconds = _best_seconds(lambda: on_host.copy_(on_device, non_blocking=True), torch.cuda.synchronize)
+    seconds = best_seconds(lambda: on_host.copy_(on_device, non_blocking=True), torch.cuda.synchronize)
     return nbytes / seconds / 1e9
 
 
@@ -75,10 +75,10 @@ def measure() -> None:
         groups = {"intra": [dist.new_group(ranks) for ranks in nodes],
                   "inter": [dist.new_group(ranks) for ranks in across]}
     if per_node > 1:
-        speeds["intra"] = _all_reduce_speed(groups["intra"][world.rank // per_node], per_node, nbytes, device)
+        speeds["intra"] = all_reduce_speed(groups["intra"][world.rank // per_node], per_node, nbytes, device)
     if len(nodes) > 1:
-        speeds["inter"] = _all_reduce_speed(groups["inter"][world.rank % per_node], len(nodes), nbytes, device)
-    speeds["host"] = _host_speed(device, nbytes)
+        speeds["inter"] = all_reduce_speed(groups["inter"][world.rank % per_node], len(nodes), nbytes, device)
+    speeds["host"] = host_speed(device, nbytes)
     if world.size > 1:
         job.barrier()
     if world.rank == 0:

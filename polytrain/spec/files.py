@@ -182,3 +182,14 @@ def readable_with_overrides(path: str | Path, overrides: Sequence[str]) -> dict[
         return apply_overrides(load_raw(path), overrides)
     except (UserError, OSError):
         return None
+
+
+def set_values(program_args: Sequence[str]) -> list[str]:
+    """The ``--set KEY=VALUE`` overrides among the arguments for ``polytrain train``."""
+    values = []
+    for i, arg in enumerate(program_args):
+        if arg == "--set":
+            values.append(program_args[i + 1] if i + 1 < len(program_args) else "")
+        elif arg.startswith("--set="):
+            values.append(arg.removeprefix("--set="))
+    return values

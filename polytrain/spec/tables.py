@@ -242,6 +242,7 @@ class TrainSpec:
     profile: ProfileSpec | None = None
     elastic: ElasticSpec | None = None  # in-place recovery from a lost rank (polytrain.spec.elastic)
     preemption: PreemptionSpec | None = None  # a signal stops the run at a step boundary (polytrain.spec.preemption)
+    preflight: bool = False  # `polytrain launch` runs `polytrain doctor` on the job's ranks first
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         """The spec as plain data, as it is written (manifests, ``model.json``), logged (trackers) and hashed
@@ -254,7 +255,7 @@ class TrainSpec:
         """A short hash of everything that defines the training (not where it writes, nor a credential: one
         changed password resumes the same run, and no manifest holds a hash of one)."""
         payload = self.to_dict()
-        for key in ("output", "checkpoint", "reliability", "logging", "profile", "elastic", "preemption"):
+        for key in ("output", "checkpoint", "reliability", "logging", "profile", "elastic", "preemption", "preflight"):
             payload.pop(key, None)
         return schema.digest(payload)
 

@@ -45,6 +45,21 @@ class HostNetwork:
         self._qdisc(None if rate is None else ["qdisc add dev DEV root handle 1: htb default 1",
                                                f"class add dev DEV parent 1: classid 1:1 htb rate {rate}"])
 
+    def rate_limit_with(self, peer_addr: str, rate: str) -> None:
+        """An ``htb`` cap on the traffic between this host and ``peer_addr`` only, both ways (a u32 filter on the
+        peer's address: out of this host by destination, into it by source); ``netem(None)`` removes it."""
+        for prefix, dev, match in (([], self.veth, "src"), (["ip", "netns", "exec", self.netns], self.interface, "dst")):
+            subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
+            for step in ("qdisc add dev DEV root handle 1: htb default 1",
+                         "class add dev DEV parent 1: classid 1:1 htb rate 10gbit",
+                         f"class add dev DEV parent 1: classid 1:2 htb rate {rate}",
+                         f"filter add dev DEV parent 1: protocol ip prio 1 u32 match ip {match} {peer_addr}/32 "
+                         "flowid 1:2"):
+                done = subprocess.run([*prefix, "tc", *step.replace("DEV", dev).split()], capture_output=True,
+                                      text=True, timeout=30)
+                if done.returncode:
+                    raise ClusterUnavailable(f"tc {step.replace('DEV', dev)}: {done.stderr.strip()}")
+
     def qdisc_supported(self, kind: str) -> bool:
         """Whether the kernel has qdisc ``kind`` (netem is a module some kernels lack)."""
         args = {"netem": "netem delay 1ms", "htb": "htb"}.get(kind, kind)
