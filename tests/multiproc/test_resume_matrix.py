@@ -266,12 +266,10 @@ def test_torch_checkpoint_resumes_in_tensorflow(sources: Sources, tmp_path: Path
 
 
 @pytest.mark.timeout(600)
-def test_tensorflow_checkpoint_resumes_in_torch(tmp_path: Path) -> None:
-    """A TensorFlow run's checkpoint continues on PyTorch, on one process and on 2 DDP ranks."""
-    pytest.importorskip("tensorflow")
-    out = tmp_path / "tensorflow"
-    trained(TENSORFLOW, out, [f"checkpoint.every_n_steps={SAVED}"], env_extra=tf_env())
-    source = Run.read(out)
+def test_tensorflow_checkpoint_resumes_in_torch(tf_local: Run, tmp_path: Path) -> None:
+    """A TensorFlow run's checkpoint (the one-process run of the TF ring) continues on PyTorch, on one process and
+    on 2 DDP ranks."""
+    source = tf_local
     assert source.manifest["framework"] == "tensorflow" and source.losses[TOTAL] < source.losses[1] - 0.3
     failures = []
     for name, job in (("local", SOURCES["local"]), ("ddp", SOURCES["ddp"])):
@@ -307,15 +305,23 @@ def tf_train(job: Job, out: Path, sets: list[str], resume: Path | None = None) -
 
 
 @pytest.fixture(scope="module")
-def tf_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def tf_local(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """TensorFlow's one-process run (the TF ring's first source, and the TensorFlow → PyTorch source)."""
     pytest.importorskip("tensorflow")
+    out = tmp_path_factory.mktemp("tf-local") / "tf-local"
+    tf_train(TF_SOURCES["tf-local"], out, [f"checkpoint.every_n_steps={SAVED}"])
+    return Run.read(out)
+
+
+@pytest.fixture(scope="module")
+def tf_sources(tf_local: Run, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     pytest.importorskip("mpi4py")
     from polytrain.horovod.common import _import_error
 
     root = tmp_path_factory.mktemp("tf-sources")
     names = [n for n in TF_SOURCES if n != "tf-horovod" or _import_error("horovod.tensorflow") is None]
-    out = {}
-    for name in names:
+    out = {"tf-local": tf_local}
+    for name in names[1:]:
         tf_train(TF_SOURCES[name], root / name, [f"checkpoint.every_n_steps={SAVED}"])
         out[name] = Run.read(root / name)
     return out
