@@ -29,10 +29,17 @@ def test_a_bad_value_is_one_line_naming_its_variable(env: dict[str, str], named:
     assert str(caught.value).startswith(named) and "\n" not in str(caught.value)
 
 
-def test_the_mark_holds_for_one_start(tmp_path: Path) -> None:
-    assert not elastic_stop.take_mark(tmp_path)
-    elastic_stop.mark(tmp_path)
-    assert elastic_stop.take_mark(tmp_path) and not elastic_stop.take_mark(tmp_path)
+def test_the_mark_holds_for_one_start_in_a_private_directory_only(tmp_path: Path) -> None:
+    private = tmp_path / "state"
+    private.mkdir(mode=0o700)
+    assert not elastic_stop.take_mark(private) and not elastic_stop.take_mark(tmp_path / "absent")
+    elastic_stop.mark(private)
+    assert elastic_stop.take_mark(private) and not elastic_stop.take_mark(private)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    elastic_stop.mark(shared)
+    assert not elastic_stop.take_mark(shared) and (shared / elastic_stop.MARK).exists()  # not trusted, kept
 
 
 TF_JOB = """

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from polytrain.errors import UserError
+from polytrain.horovod.common import elastic_files
 from polytrain.spec.preemption import PreemptionSpec, signal_numbers
 from polytrain.train.preemption import NO_STOP, StepStop
 
@@ -66,9 +67,12 @@ def mark(directory: Path) -> None:
 
 
 def take_mark(directory: Path) -> bool:
-    """Whether a preempted run left its mark in ``directory`` (removed: it holds for one start only)."""
+    """Whether a preempted run left its mark in ``directory`` (removed: it holds for one start only). Only a
+    directory private to this user counts: a fresh start never trusts, nor fails on, one another user made."""
     try:
+        if elastic_files.private_dir(directory, create=False) is None:
+            return False
         (directory / MARK).unlink()
-    except FileNotFoundError:
+    except (elastic_files.ElasticStateError, OSError):
         return False
     return True
