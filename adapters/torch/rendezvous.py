@@ -25,6 +25,8 @@ def rendezvous_store(world: World, timeout: datetime.timedelta) -> dist.Store:
     on the address the master names here (`polytrain.comm.net.store_bind`; TCPStore alone would listen on every
     interface).
     """
+    global _groups
+    _groups += 1
     hosting = world.rank == 0 and not uses_agent_store()
     listen_fd = None
     bind = store_bind(str(world.master_addr), world.local_size == world.size).address if hosting else None
@@ -129,8 +131,16 @@ def import_before_group() -> None:
 
 
 def store_prefix() -> str:
-    """Keys of this (re)start of the job: ``polytrain/restart_<n>``."""
-    return f"polytrain/restart_{restart_count()}"
+    """Keys of this (re)start of the job and of the process group its ranks are forming now:
+    ``polytrain/restart_<n>`` for a process's first, ``.../group_<k>`` for its k-th. Every rank starts its groups
+    in the same order, so the k-th group of every rank meets under the same keys, and none reads the addresses of
+    a group that ended (a script that calls `polytrain.fit` twice, or starts `Distributed` after another ended,
+    under torchrun, whose agent keeps one store for the whole job)."""
+    base = f"polytrain/restart_{restart_count()}"
+    return base if _groups <= 1 else f"{base}/group_{_groups}"
+
+
+_groups = 0  # the rendezvous stores this process has made (`rendezvous_store`), one per process group
 
 
 def live_groups() -> list[dist.ProcessGroup]:

@@ -6,6 +6,8 @@ same samples per update. Rank 0 writes every micro-step's loss (averaged over th
 
 Usage: python own_loop_worker.py BACKEND OUT.json [--launch NP [--fail-rank R]] [--stop K --save ROOT | --resume ROOT]
                                   [--preempt K --every N --save ROOT]
+(BACKEND may be a comma list: each runs in turn in the same processes, a session after the previous one ended,
+and writes OUT with ``{backend}`` replaced by its name.)
 (``--launch``: the script starts its NP processes itself through `Distributed.launch`, the ``mp.spawn`` case;
 ``--fail-rank``: that rank raises before training, to see the others stopped and the failure named;
 ``--stop K --save ROOT``: stop before update K and save a checkpoint under ROOT; ``--resume ROOT``: load the
@@ -97,7 +99,8 @@ def after_the_job(model: torch.nn.Module, backend: str) -> str:
 def main() -> None:
     backend, out = sys.argv[1], sys.argv[2]
     if "--launch" not in sys.argv:
-        train(backend, out)
+        for one in backend.split(","):  # several: one session after another in these processes, OUT per backend
+            train(one, out.replace("{backend}", one))
         return
     np = int(sys.argv[sys.argv.index("--launch") + 1])
     fail = int(sys.argv[sys.argv.index("--fail-rank") + 1]) if "--fail-rank" in sys.argv else -1

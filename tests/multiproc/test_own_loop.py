@@ -48,12 +48,28 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return loop_run(tmp_path_factory.mktemp("one"), "local", "python", 1, {})
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each backend's 2-rank run, one launch per launcher: the backends of a launcher run in turn in the same
+    processes (a session starts after the previous one ended: what a script that switches backends does)."""
+    root, runs = tmp_path_factory.mktemp("two-ranks"), {}
+    for launcher in dict.fromkeys(launcher for launcher, _ in JOBS.values()):
+        names = [name for name, (where, _) in JOBS.items() if where == launcher
+                 and (not name.startswith("deepspeed") or _import_error("deepspeed") is None)]
+        env = {k: v for name in names for k, v in JOBS[name][1].items()}
+        exports = [name for name, value in env.items() if value is not None]
+        done = check(run(command(launcher, [WORKER, ",".join(names), str(root / "{backend}.json")], 2,
+                                 exports=exports), env=job_env(env), timeout=400))
+        assert not done.left_behind, done.left_behind
+        runs |= {name: json.loads((root / f"{name}.json").read_text()) for name in names}
+    return runs
+
+
 @pytest.mark.parametrize("backend", list(JOBS))
-def test_two_ranks_equal_one_process(one_process: dict, tmp_path: Path, backend: str) -> None:
+def test_two_ranks_equal_one_process(one_process: dict, two_ranks: dict, backend: str) -> None:
     if backend.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
-    launcher, env = JOBS[backend]
-    assert_equals_one_process(loop_run(tmp_path, backend, launcher, 2, env), one_process, backend)
+    assert_equals_one_process(two_ranks[backend], one_process, backend)
 
 
 def assert_equals_one_process(got: dict, one_process: dict, backend: str) -> None:
