@@ -20,7 +20,12 @@ INF_AT = 3
 
 
 def main() -> None:
-    backend, out = sys.argv[1:3]
+    backends, out = sys.argv[1:3]
+    for backend in backends.split(","):  # several: one session after another, OUT per backend ({backend})
+        run(backend, out.replace("{backend}", backend))
+
+
+def run(backend: str, out: str) -> None:
     dist = Distributed(backend, precision="fp16")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))

@@ -282,28 +282,35 @@ def read_model_dir(path: Path) -> tuple[dict[str, np.ndarray], dict]:
 FP16 = str(Path(__file__).resolve().parent / "loop_fp16_worker.py")
 
 
-def fp16_run(tmp_path: Path, backend: str, launcher: str, nproc: int) -> dict:
-    env = JOBS.get(backend, ("python", {}))[1]
-    out = tmp_path / f"{backend}.json"
+def fp16_runs(tmp_path: Path, backends: list[str], launcher: str, nproc: int) -> dict[str, dict]:
+    """The fp16 loop on each of ``backends`` in turn, in one launch."""
+    env = {k: v for backend in backends for k, v in JOBS.get(backend, ("python", {}))[1].items()}
     exports = [key for key, value in env.items() if value is not None]
-    done = check(run(command(launcher, [FP16, backend, str(out)], nproc, exports=exports), env=job_env(env),
-                     timeout=180))
+    done = check(run(command(launcher, [FP16, ",".join(backends), str(tmp_path / "{backend}.json")], nproc,
+                             exports=exports), env=job_env(env), timeout=240))
     assert not done.left_behind, done.left_behind
-    return json.loads(out.read_text())
+    return {backend: json.loads((tmp_path / f"{backend}.json").read_text()) for backend in backends}
 
 
 @pytest.fixture(scope="module")
 def fp16_one_process(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return fp16_run(tmp_path_factory.mktemp("fp16"), "local", "python", 1)
+    return fp16_runs(tmp_path_factory.mktemp("fp16"), ["local"], "python", 1)["local"]
+
+
+@pytest.fixture(scope="module")
+def fp16_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """ddp then fsdp in one torchrun launch; the Horovod shim under mpirun."""
+    root = tmp_path_factory.mktemp("fp16-two")
+    return {**fp16_runs(root, ["ddp", "fsdp"], "torchrun", 2), **fp16_runs(root, ["horovod"], "mpirun", 2)}
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "horovod"])  # mpi takes no fp16
-def test_fp16_skips_the_overflowed_update_on_every_rank_alike(fp16_one_process: dict, tmp_path: Path,
+def test_fp16_skips_the_overflowed_update_on_every_rank_alike(fp16_one_process: dict, fp16_two_ranks: dict,
                                                              backend: str) -> None:
     """An inf in one rank's loss of update 3: every rank skips that update (optimizer.step() returns False) and
     halves its loss scale, as one process does with the inf in its batch; the other updates apply, and the
     ranks end on the same finite weights."""
-    one, two = fp16_one_process, fp16_run(tmp_path, backend, JOBS[backend][0], 2)
+    one, two = fp16_one_process, fp16_two_ranks[backend]
     assert one["applied"] == [True, True, False, True, True, True]  # only update 3 skipped
     assert (two["world"], two["applied"], two["scales"]) == (2, one["applied"], one["scales"])
     assert two["threads_left"] == [], two["threads_left"]
