@@ -35,11 +35,15 @@ def test_the_backend_store_keys_follow_the_same_count(monkeypatch: pytest.Monkey
     """Before, the backend took the first variable set ("0") while the Trainer took the larger (1): a restarted
     worker's keys then collided with the first attempt's."""
     pytest.importorskip("torch")
+    from polytrain.adapters.torch import rendezvous
     from polytrain.adapters.torch.backend import store_prefix
 
+    monkeypatch.setattr(rendezvous, "_groups", 1)  # this process's first process group
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv("POLYTRAIN_RESTART_COUNT", "1")
     assert store_prefix() == "polytrain/restart_1"
+    monkeypatch.setattr(rendezvous, "_groups", 2)  # its second: keys of its own (the first group's are stale)
+    assert store_prefix() == "polytrain/restart_1/group_2"
     monkeypatch.setenv("POLYTRAIN_RESTART_COUNT", "x")
     with pytest.raises(EnvironmentDetectionError, match="POLYTRAIN_RESTART_COUNT='x'"):
         store_prefix()
