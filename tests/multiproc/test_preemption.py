@@ -2,7 +2,7 @@
 exit code 75; ``--resume auto`` then ends on exactly the weights of a run that was never interrupted.
 
 The signal comes from a callback (signal_at.py) at the end of a chosen step: to one rank of two (what a node-local
-agent sends; under torchrun and mpirun), to every rank, or to torchrun's agent, which passes it on to every rank
+agent sends; under torchrun and mpirun), to every rank (under torchrun and mpirun), or to torchrun's agent, which passes it on to every rank
 (what Kubernetes sends a pod), or to `polytrain launch` above Open MPI's mpirun (which would end its ranks on a
 SIGTERM: they get SIGUSR1, see launchers/stopping.py); and to a single process (SIGUSR1, Slurm's ``--signal``). The ranks agree on the first logging window that
 closes after it (every ``loop.log_every_n_steps``: 4 here, and at each epoch's end), so the stop step is known in
@@ -43,6 +43,7 @@ CASES = {
     "every rank, at an epoch's end": ("torchrun", "SIGTERM", "11", "all", "self"),
     "torchrun's agent": ("torchrun", "SIGTERM", "5", "0", "parent"),
     "one rank of two under mpirun": ("mpirun", "SIGTERM", "5", "1", "self"),
+    "every rank under mpirun": ("mpirun", "SIGTERM", "6", "all", "self"),
     "polytrain launch above mpirun": ("launch-mpirun", "SIGTERM", "5", "0", "launch"),
     "one process, SIGUSR1": ("python", "SIGUSR1", "5", "0", "self"),
 }
