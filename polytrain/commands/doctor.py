@@ -9,7 +9,7 @@ The measurements run on the job's own ranks, started by ``polytrain launch`` as 
   hosts), or whose latency is above the median over ``--min-ratio``; a link of a slow rank is not judged (the
   rank explains it), and a kind with a single link has nothing to be compared with;
 - library versions or ``NCCL_*``/``GLOO_*`` variables that differ between ranks;
-- a clock more than ``--max-clock-skew`` seconds (1) from rank 0's;
+- a clock more than ``--max-clock-skew`` seconds (1) from rank 0's, beyond the measurement's uncertainty;
 - less than ``--min-free-gb`` (1) free under a ``--path`` (default: the current folder) on some rank.
 
 One table, the records and findings as JSON with ``--json FILE``, and the exit code: 0 when nothing is below the
@@ -106,9 +106,11 @@ def judge(records: list[dict[str, Any]], min_ratio: float, min_free_gb: float, m
                 where = "; ".join(f"{value!r} on rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
                                   for value, ranks in _ranks_by_value(values).items())
                 findings.append(f"{'library ' + name if key == 'versions' else name} differs between ranks: {where}")
-    zero = by_rank[min(by_rank)]["clock"]
-    findings += [f"{_who(r)}: clock {r['clock'] - zero:+.3f} s from rank 0's, more than {max_skew:g} s"
-                 for r in records if abs(r["clock"] - zero) > max_skew]
+    offsets = by_rank[min(by_rank)].get("clock_offsets", {})
+    for peer, clock in sorted(offsets.items(), key=lambda item: int(item[0])):
+        if abs(clock["offset_s"]) - clock["uncertainty_s"] > max_skew:  # off by more than the bound, surely
+            findings.append(f"{_who(by_rank[int(peer)])}: clock {clock['offset_s']:+.3f} s (±"
+                            f"{clock['uncertainty_s']:.3f}) from rank 0's, more than {max_skew:g} s")
     findings += [f"{_who(r)}: {free:.3g} GB free under {path}, below {min_free_gb:g} GB" for r in records
                  for path, free in r["free_gb"].items() if free is not None and free < min_free_gb]
     return findings
@@ -145,13 +147,14 @@ def _ranks_by_value(values: dict[int, Any]) -> dict[Any, list[int]]:
 
 def table(records: list[dict[str, Any]]) -> str:
     rows = [("rank", "host", "GEMM GFLOP/s", "link GB/s", "latency us", "all-reduce GB/s", "clock s", "free GB")]
-    zero = records[0]["clock"]
+    offsets = min(records, key=lambda r: r["rank"]).get("clock_offsets", {})
     for r in sorted(records, key=lambda r: r["rank"]):
         link = next(iter(r.get("links", {}).values()), None)
         free = [v for v in r["free_gb"].values() if v is not None]
         rows.append((str(r["rank"]), r["host"], f"{r['gemm_gflops']:.3g}", f"{link['gbs']:.3g}" if link else "-",
                      f"{link['latency_us']:.3g}" if link else "-",
-                     f"{r['allreduce_gbs']:.3g}" if r.get("allreduce_gbs") else "-", f"{r['clock'] - zero:+.3f}",
+                     f"{r['allreduce_gbs']:.3g}" if r.get("allreduce_gbs") else "-",
+                     f"{offsets.get(str(r['rank']), {}).get('offset_s', 0.0):+.3f}",
                      f"{min(free):.3g}" if free else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)

@@ -9,8 +9,9 @@ ranks in step between measurements:
 - each link of the ring, one at a time (the others wait): ping-pongs of one float (latency: half the best round
   trip) and of a buffer (bandwidth: both ways over the best round trip);
 - one all-reduce over the whole job (`probe.all_reduce_speed`, ``plan --probe``'s own measurement);
-- what the ranks must agree on: library versions, the ``NCCL_*``/``GLOO_*`` variables, the clock (read right
-  after a barrier), free disk under the paths named (``--path``).
+- what the ranks must agree on: library versions, the ``NCCL_*``/``GLOO_*`` variables, the clock (each rank's
+  against rank 0's, from the exchange with the shortest round trip: `clock_offsets`), free disk under the paths
+  named (``--path``).
 
 The records are gathered to rank 0 as JSON in byte tensors (nothing is unpickled), which prints
 ``POLYTRAIN_DOCTOR [records]`` on its standard output for the launcher to relay.
@@ -33,14 +34,27 @@ from polytrain.plan.probe import all_reduce_speed, host_speed
 
 MARK = "POLYTRAIN_DOCTOR"
 GEMM_SECONDS = 0.6  # sustained: a cgroup quota (cpu.max's period is 100 ms) shows in the rate
-LATENCY_REPEATS, BANDWIDTH_REPEATS = 20, 3
+LATENCY_REPEATS, BANDWIDTH_REPEATS, CLOCK_REPEATS = 20, 3, 5
 
 
 def gemm_rate(device: Any, seconds: float = GEMM_SECONDS) -> float:
-    """Matrix-multiply FLOP/s, sustained over ``seconds``."""
+    """Matrix-multiply FLOP/s, sustained over ``seconds``; on the CPU with one thread (ranks on one host compare
+    alike, and no OpenMP worker spins on after the last multiply, eating a starved rank's CPU time)."""
     import torch
 
-    n = 2048 if device.type == "cuda" else 256
+    if device.type == "cuda":
+        return _sustained_mm(device, 2048, seconds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _sustained_mm(device, 256, seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sustained_mm(device: Any, n: int, seconds: float) -> float:
+    import torch
+
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     out = torch.empty(n, n, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -104,6 +118,36 @@ def measure_links(rank: int, size: int, device: Any, nbytes: int) -> dict[int, d
     return mine
 
 
+def clock_offsets(rank: int, size: int, repeats: int = CLOCK_REPEATS) -> dict[str, dict[str, float]]:
+    """On rank 0, every other rank's clock against its own: each pair exchanges its times ``repeats`` times and
+    the exchange with the shortest round trip gives the offset (the other's time minus the round trip's middle)
+    and its uncertainty (half that round trip). A slow or starved rank answers late, which widens the
+    uncertainty but does not move the estimate. Other ranks get {}."""
+    import torch
+    import torch.distributed as dist
+
+    box, found = torch.zeros(1, dtype=torch.float64), {}
+    for peer in range(1, size):
+        if rank == 0:
+            best: tuple[float, float] | None = None
+            for _ in range(repeats):
+                sent = time.time()
+                box[0] = sent
+                dist.send(box, peer)
+                dist.recv(box, peer)
+                back = time.time()
+                sample = (back - sent, float(box[0]) - (sent + back) / 2)
+                best = sample if best is None or sample < best else best
+            assert best is not None
+            found[str(peer)] = {"offset_s": best[1], "uncertainty_s": best[0] / 2}
+        elif rank == peer:
+            for _ in range(repeats):
+                dist.recv(box, 0)
+                box[0] = time.time()
+                dist.send(box, 0)
+    return found
+
+
 def free_gb(path: str) -> float | None:
     """Free space on the file system that holds ``path`` (or its nearest existing parent)."""
     where = Path(path).absolute()
@@ -163,8 +207,7 @@ def measure(paths: list[str], gemm_seconds: float = GEMM_SECONDS) -> None:
         record["links"] = {str(peer): value for peer, value in measure_links(world.rank, world.size, device,
                                                                                nbytes).items()}
         record["allreduce_gbs"] = all_reduce_speed(None, world.size, nbytes, device)
-        dist.barrier()
-    record["clock"] = time.time()  # right after the barrier: the ranks' clocks compared
+        record["clock_offsets"] = clock_offsets(world.rank, world.size)
     record["versions"] = versions()
     record["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "GLOO_"))}
     record["free_gb"] = {path: free_gb(path) for path in paths}

@@ -18,7 +18,7 @@ CLI = [sys.executable, "-m", "polytrain.cli", "doctor"]
 
 def record(rank: int, host: str, gemm: float = 10.0, links: dict | None = None, **more: object) -> dict:
     base = {"rank": rank, "host": host, "gemm_gflops": gemm, "links": links or {}, "allreduce_gbs": 1.0,
-            "clock": 100.0, "versions": {"torch": "2.13"}, "env": {}, "free_gb": {"/out": 50.0}}
+            "versions": {"torch": "2.13"}, "env": {}, "free_gb": {"/out": 50.0}}
     return {**base, **more}
 
 
@@ -64,14 +64,15 @@ def test_versions_variables_clocks_and_disks_that_differ_are_named() -> None:
     records = ring(1.0, 1.0, 1.0)
     records[1]["versions"] = {"torch": "2.12"}
     records[2]["env"] = {"NCCL_SOCKET_IFNAME": "eth1"}
-    records[2]["clock"] = 103.5
+    records[0]["clock_offsets"] = {"1": {"offset_s": 1.5, "uncertainty_s": 0.6},  # maybe within the bound
+                                   "2": {"offset_s": 3.5, "uncertainty_s": 0.01}}
     records[0]["free_gb"] = {"/out": 0.2}
     assert judge(records, 0.5, 1.0, 1.0) == [
         "library torch differs between ranks: '2.13' on ranks 0,2; '2.12' on rank 1",
         "NCCL_SOCKET_IFNAME differs between ranks: None on ranks 0,1; 'eth1' on rank 2",
-        "rank 2 on host c: clock +3.500 s from rank 0's, more than 1 s",
+        "rank 2 on host c: clock +3.500 s (±0.010) from rank 0's, more than 1 s",
         "rank 0 on host a: 0.2 GB free under /out, below 1 GB"]
-    assert table(records).splitlines()[3].split()[:3] == ["2", "c", "10"]
+    assert table(records).splitlines()[3].split()[:3] == ["2", "c", "10"] and "+3.500" in table(records)
 
 
 @pytest.mark.parametrize(("args", "said"), [
@@ -100,6 +101,8 @@ def test_two_local_ranks_find_nothing_and_write_the_records(tmp_path: Path) -> N
     first = report["ranks"][0]
     assert first["gemm_gflops"] > 0 and first["links"]["1"]["gbs"] > 0 and first["allreduce_gbs"] > 0
     assert first["versions"] == report["ranks"][1]["versions"] and str(tmp_path) in first["free_gb"]
+    clock = first["clock_offsets"]["1"]  # one machine, one clock: within the exchange's uncertainty
+    assert abs(clock["offset_s"]) <= clock["uncertainty_s"] + 1e-3
 
 
 @pytest.mark.multiproc
