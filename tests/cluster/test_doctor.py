@@ -1,7 +1,8 @@
 """``polytrain doctor`` on three namespace hosts, one rank each, under torchrun over ssh (issue 52): with the link
 between h1 and h2 capped (htb, only that pair's traffic), the check names exactly that link; with h3's CPU cut to
 1 % of a core (a cgroup quota, set once its rank has joined the job: from its start it would take minutes to import
-torch), it names exactly h3's rank. Each run exits 1 with its findings, one line each, and leaves nothing behind.
+torch; the multiply is sustained 5 s, so a quota set up to ~1 s late still leaves the rank far below), it names
+exactly h3's rank. Each run exits 1 with its findings, one line each, and leaves nothing behind.
 
 The medians make both robust to a loaded machine: of three links (or ranks) with one sick, the median is a healthy
 one's, and no healthy one can fall below a fifth (``--min-ratio 0.2``) of the slower healthy one; the sick ones are
@@ -83,7 +84,7 @@ def test_a_rank_whose_cpu_is_cut_is_named_and_nothing_else(cluster3, tmp_path: P
     try:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("1000")  # 1 % of a core
-        job, out = doctor(cluster3, tmp_path, "--gemm-seconds", "3")  # ~4 min in all, mostly h3 waiting on its
+        job, out = doctor(cluster3, tmp_path, "--gemm-seconds", "5")  # ~4 min in all, mostly h3 waiting on its
         # quota (~2 s of CPU after joining: its measurements, then two interpreters with torch ending): little CPU
         deadline = time.monotonic() + 240
         while not _rank_joined(h3):
