@@ -228,27 +228,24 @@ def launch_from_args(args: argparse.Namespace) -> int:
                           "the spec's preemption table handles the signals")
     if not args.dry_run:
         check_spec(args.launch_command, local=not req.hosts, world_size=req.nproc)
-        if _spec_preflight(args.launch_command):
+        paths = _preflight_paths(args.launch_command)
+        if paths is not None:
             from polytrain.commands.doctor import preflight
 
-            code = preflight(req, _spec_paths(args.launch_command))
+            code = preflight(req, paths)
             if code:
                 return code
     return run(req, dry_run=args.dry_run)
 
 
-def _spec_preflight(command: Sequence[str]) -> bool:
-    """Whether the spec ``command`` runs asks for ``preflight: true`` (a script or a spec not here: no)."""
+def _preflight_paths(command: Sequence[str]) -> list[str] | None:
+    """Where the spec ``command`` runs writes (``output``, ``checkpoint.dir``) when it asks for ``preflight: true``;
+    None otherwise (a script, a spec not here, or no preflight)."""
     target, program_args, _ = _split_command(list(command))
     if not target.endswith(SPEC_SUFFIXES) or not Path(target).is_file():
-        return False
-    return launch_spec(target, program_args).preflight
-
-
-def _spec_paths(command: Sequence[str]) -> list[str]:
-    target, program_args, _ = _split_command(list(command))
+        return None
     spec = launch_spec(target, program_args)
-    return [spec.output, str(spec.checkpoint_dir)]
+    return [spec.output, str(spec.checkpoint_dir)] if spec.preflight else None
 
 
 #: the launchers whose jobs polytrain's elastic driver runs (--elastic, or a spec's elastic table)
