@@ -25,6 +25,7 @@ from polytrain.launchers.base import (
 )
 from polytrain.launchers.failure_report import RankFailure, signal_named
 from polytrain.launchers.hostfile import to_slurm_nodelist
+from polytrain.launchers.stopping import train_spec_tables
 
 FIRST_NODE = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
 PORT_FROM_JOB_ID = "$((10000 + SLURM_JOB_ID % 20000))"
@@ -177,7 +178,7 @@ def preemptible_program(program: tuple[str, ...], requeue: bool, name: str | Non
         return program
     given = " ".join(set_values(program[5:]))
     added: list[str] = []
-    if "preemption" not in given and not _has_preemption_table(program[4], program[5:]):
+    if "preemption" not in given and "preemption" not in (train_spec_tables(program) or {}):  # not its own
         added += ["--set", "preemption.requeue=auto" if requeue else "preemption.requeue=never"]
     if name and name not in ("TERM", "USR1") and "preemption.signals" not in given:
         added += ["--set", f"preemption.signals=[SIGTERM,SIGUSR1,SIG{name}]"]
@@ -192,12 +193,4 @@ def preemptible_program(program: tuple[str, ...], requeue: bool, name: str | Non
 
 
 LAUNCHER = SrunLauncher()
-
-
-def _has_preemption_table(spec: str, program_args: tuple[str, ...]) -> bool:
-    """Whether the spec (with its --set values) has a ``preemption`` table of its own, to leave as it is; a spec
-    that cannot be read here (it lives on the cluster) counts as one without."""
-    from polytrain.spec.files import readable_with_overrides
-
-    return "preemption" in (readable_with_overrides(spec, set_values(program_args)) or {})
 

@@ -31,15 +31,20 @@ class StopPolicy:
     forward_as: Mapping[int, int] = field(default_factory=dict)  # a signal received -> the one passed on
 
 
-def preemption_table(program: Sequence[str]) -> dict | None:
-    """The ``preemption`` table (with --set values) of the spec ``polytrain train`` runs here, or None: a script,
-    a spec without the table, or one that cannot be read here."""
+def train_spec_tables(program: Sequence[str]) -> dict | None:
+    """The tables (with --set values) of the spec a ``polytrain train`` program runs, or None: a script, or a spec
+    that cannot be read here (it lives on the cluster)."""
     from polytrain.spec.files import readable_with_overrides, set_values
 
     if tuple(program[1:4]) != ("-m", "polytrain.cli", "train") or len(program) < 5:
         return None
-    raw = readable_with_overrides(program[4], set_values(tuple(program[5:]))) or {}
-    table = raw.get("preemption", False)
+    return readable_with_overrides(program[4], set_values(tuple(program[5:])))
+
+
+def preemption_table(program: Sequence[str]) -> dict | None:
+    """The ``preemption`` table of the spec ``polytrain train`` runs here, or None: a script, a spec without the
+    table, or one that cannot be read here."""
+    table = (train_spec_tables(program) or {}).get("preemption", False)
     return {} if table is None else table if isinstance(table, dict) else None  # `preemption:` alone: defaults
 
 
