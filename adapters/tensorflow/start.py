@@ -11,14 +11,22 @@ while TensorFlow is imported, and everything but those notices (INFO lines and t
 ``TF_CPP_MIN_LOG_LEVEL=1`` (INFO off, warnings and errors kept) covers the rest of the run.
 
 A user who sets ``TF_CPP_MIN_LOG_LEVEL`` (any value, also with ``polytrain launch -x``) gets all of it.
+
+Keras imports scikit-learn (for its estimator wrappers), matplotlib (its plotting helpers) and pandas (to
+recognise a DataFrame passed to ``fit``) where they are installed: ~3 s of a rank's ~9 s of CPU to import
+TensorFlow and Keras, for parts the Trainer never uses (it feeds Keras tensors). While a Trainer's rank imports
+them, those three are not offered to Keras (`keras_extras_left_out`); polytrain and the user's code import them
+as usual afterwards. One that is imported already (a script that imports it before polytrain) is left as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 
 LEVEL_VARIABLE = "TF_CPP_MIN_LOG_LEVEL"
 QUIET_LEVEL = "1"  # INFO off: warnings and errors still show
@@ -32,11 +40,44 @@ def is_notice(line: bytes) -> bool:
     return bool(_NOTICE.match(line))
 
 
+KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
+
+
+class _LeaveOut:
+    """A finder that says the named top-level packages are not installed."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name.partition(".")[0] in self.names:
+            raise ImportError(f"{name} is left out while polytrain imports Keras", name=name)
+
+
+@contextlib.contextmanager
+def keras_extras_left_out() -> Iterator[None]:
+    """Keras's optional scikit-learn, matplotlib and pandas parts left out of the import (see the module doc)."""
+    finder = _LeaveOut(tuple(name for name in KERAS_EXTRAS if name not in sys.modules))
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
 def import_tensorflow_quietly(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
     """Import TensorFlow (and Keras) with the start-up notices left out, unless the user set the log level
     or TensorFlow is imported already; returns whether it did. Without TensorFlow it does nothing (the
     backend says what to install)."""
-    if LEVEL_VARIABLE in environ or "tensorflow" in sys.modules:
+    if "tensorflow" in sys.modules:
+        return False
+    if LEVEL_VARIABLE in environ:
+        with keras_extras_left_out():
+            try:
+                import keras  # noqa: F401
+                import tensorflow  # noqa: F401
+            except ImportError:
+                pass
         return False
     environ[LEVEL_VARIABLE] = QUIET_LEVEL
     sys.stderr.flush()
@@ -45,8 +86,9 @@ def import_tensorflow_quietly(environ: dict[str, str] | os._Environ[str] = os.en
         with tempfile.TemporaryFile() as capture:
             os.dup2(capture.fileno(), 2)
             try:
-                import keras  # noqa: F401
-                import tensorflow  # noqa: F401
+                with keras_extras_left_out():
+                    import keras  # noqa: F401
+                    import tensorflow  # noqa: F401
             except ImportError:
                 return False
             finally:
