@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import resource
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,30 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         terminal = _CONFIG[0].pluginmanager.get_plugin("terminalreporter")
         if terminal is not None:
             terminal.write_line(f"\nFAILED ({report.when}) {report.nodeid}")
+
+
+def _cpu_seconds() -> float:
+    """CPU this worker and the processes it has reaped (their own reaped children included) have used."""
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """Each test's CPU seconds, its processes' included, as a ``cpu_s`` property of the JUnit report: on 2 cores
+    the suite is CPU-bound, so this, not a test's wall time, is what it costs the run (tests/durations.py)."""
+    yield
+    if _CPU_AT_START in item.stash:
+        item.user_properties.append(("cpu_s", round(_cpu_seconds() - item.stash[_CPU_AT_START], 1)))
+
+
+_CPU_AT_START = pytest.StashKey[float]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
