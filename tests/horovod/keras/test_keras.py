@@ -45,7 +45,8 @@ def check_keras(per_rank: list[dict]) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("nproc", [2, 3])
+# three ranks, the uneven case; the same worker at two runs on real Horovod below and in the shim's examples
+@pytest.mark.parametrize("nproc", [3])
 def test_keras_fit_under_mpirun_shim(launch, tmp_path, nproc):
     proc = launch.mpirun(nproc, launch.here / "worker_keras.py", str(tmp_path), impl="shim", timeout=450)
     per_rank = launch.results(proc, nproc)

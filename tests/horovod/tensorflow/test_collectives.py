@@ -84,7 +84,8 @@ def assert_matches(res: dict, r: int, n: int) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("nproc", [2, 3])
+# three ranks, the uneven case; the same worker at two runs on real Horovod below and in the shim's examples
+@pytest.mark.parametrize("nproc", [3])
 def test_shim_collectives_under_mpirun(launch, nproc):
     proc = launch.mpirun(nproc, launch.here / "worker_collectives.py", impl="shim", timeout=360)
     per_rank = launch.results(proc, nproc)
