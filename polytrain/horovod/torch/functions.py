@@ -58,13 +58,19 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state_dict = inner.state_dict()
     if len(state_dict["state"]) == 0:
+        # every gradient zero for that step, as Horovod's: a gradient left from the last backward (a sync after a
+        # step, as hvd.elastic's) would otherwise be applied a second time; each is put back after
+        kept = {}
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p.grad is None:
+                if p.requires_grad:
+                    kept[p] = p.grad
                     p.grad = torch.zeros_like(p)
                     if isinstance(inner, torch.optim.SparseAdam):
                         p.grad = p.grad.to_sparse()
         inner.step()
+        for p, grad in kept.items():
+            p.grad = grad
         state_dict = inner.state_dict()
     if len(state_dict["state"]) == 0:
         return

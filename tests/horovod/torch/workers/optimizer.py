@@ -229,6 +229,15 @@ opt.state[model.weight]["exp_avg"].add_(r)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
 states = hvd.allgather(opt.state[model.weight]["exp_avg"].reshape(1, -1))
 flag("broadcast_optimizer_state tensors", bool((states == states[0]).all()))
+# an optimizer without state (plain SGD) synced after a step: the last gradient is not applied a second time
+model = torch.nn.Linear(4, 3)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+plain = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.ones(2, 4)).sum().backward()
+before, grad = flat(model).clone(), model.weight.grad.clone()
+hvd.broadcast_optimizer_state(plain, root_rank=0)
+flag("broadcast_optimizer_state leaves a stateless optimizer's weights and gradients",
+     torch.equal(flat(model), before) and torch.equal(model.weight.grad, grad))
 
 
 # SyncBatchNorm: my shard through SyncBatchNorm == my rows of a full-batch BatchNorm (Horovod's needs a GPU)
