@@ -13,6 +13,7 @@ from polytrain.horovod.common.errors import (
     HorovodEnvError,
     HorovodInternalError,
     HorovodUnsupportedError,
+    HostsUpdatedInterrupt,
 )
 from polytrain.horovod.common.ops import (
     REDUCE_OP_NAMES,
@@ -50,7 +51,7 @@ __all__ = [
     "DEFAULT_CYCLE_TIME_MS", "DEFAULT_FUSION_THRESHOLD", "DEFAULT_STALL_CHECK_SECONDS", "HOROVOD_CAPABLE_LAUNCHERS",
     "IMPL_CHOICES", "IMPL_VARIABLE", "METADATA_CHECK_VARIABLE", "NOT_INITIALIZED", "REDUCE_OP_NAMES", "REDUCTIONS",
     "Adasum", "Average", "Basics", "HorovodArgumentError", "HorovodEnvError", "HorovodInternalError",
-    "HorovodSettings", "HorovodUnsupportedError", "Max", "MiB", "Min", "Product", "Sum", "Topology",
+    "HorovodSettings", "HorovodUnsupportedError", "HostsUpdatedInterrupt", "Max", "MiB", "Min", "Product", "Sum", "Topology",
     "_import_error", "implementation", "reduce_op_name", "resolve_average", "resolve_names", "split_rows",
     "stall_message", "topology_from_records", "topology_from_world", "use_real_horovod",
 ]

@@ -18,7 +18,11 @@ from typing import Any
 from polytrain.environments.detect import restart_count
 from polytrain.horovod.common import elastic_stop
 from polytrain.horovod.common.elastic_files import state_dir
+from polytrain.horovod.common.errors import HostsUpdatedInterrupt
 from polytrain.train.preemption import NO_STOP
+
+#: the host change's place in a commit's all-reduced notes (above any count of signalled ranks)
+HOSTS_NOTE = 1 << 20
 
 
 class ObjectStateBase:
@@ -53,18 +57,29 @@ class ObjectStateBase:
         for callback in self._reset_callbacks:
             callback()
 
+    def _host_change(self) -> int | None:
+        """Rank 0's view of the elastic driver's hosts since the group formed (0 none, 1 removed only, 2 added;
+        other ranks 0), or None when no elastic driver runs the job."""
+        return None
+
     def check_host_updates(self) -> None:
-        """A sync point; Horovod also raises HostsUpdatedInterrupt here, but the shim's world
-        changes only by a restart. With preemption signals handled (`elastic_stop`) the sync is the
-        all-reduce of the ranks' notes instead of the barrier, and raises `StoppedAtCommit` on every rank
-        once one of them was signalled."""
-        if self._stop.spec is None:
+        """A sync point. Under polytrain's elastic driver it raises HostsUpdatedInterrupt on every rank once rank 0
+        saw the driver's hosts change (``skip_sync`` when hosts were only removed), as Horovod's does. With
+        preemption signals handled (`elastic_stop`) it raises `StoppedAtCommit` on every rank once one of them
+        was signalled. Either way the ranks agree in one all-reduce of their notes (the count of signalled
+        ranks, plus rank 0's host change times `HOSTS_NOTE`); with neither, it is a barrier."""
+        change = self._host_change()
+        if self._stop.spec is None and change is None:
             self._barrier()
             return
         self._commits += 1
-        self._stop.heard(self._sum(self._stop.asked), self._commits)
-        if self._stop.due(self._commits):
-            raise elastic_stop.StoppedAtCommit
+        notes = int(self._sum(float(self._stop.asked + (change or 0) * HOSTS_NOTE)))
+        if self._stop.spec is not None:
+            self._stop.heard(notes % HOSTS_NOTE, self._commits)
+            if self._stop.due(self._commits):
+                raise elastic_stop.StoppedAtCommit
+        if notes >= HOSTS_NOTE:
+            raise HostsUpdatedInterrupt(skip_sync=notes // HOSTS_NOTE == 1)
 
     def save(self) -> None:
         self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
@@ -107,7 +122,7 @@ def retrying(func: Callable[..., Any], *, begin: Callable[[ObjectStateBase], obj
              failed: Callable[[BaseException], bool], restart: Callable[[], None]) -> Callable[..., Any]:
     """``hvd.elastic.run(func)``: ``begin(state)`` once (a restarted job restores its last commit), then each
     attempt syncs ``state`` from rank 0 and calls ``func(state, ...)``; an exception ``failed`` says is a failed
-    collective rolls ``state`` back to its last commit, ``restart()`` shuts Horovod down and initialises it again,
+    collective rolls ``state`` back to its last commit (a HostsUpdatedInterrupt, raised at a commit, does not), ``restart()`` shuts Horovod down and initialises it again,
     the reset callbacks run, and it tries again. Any other exception ends the run. A preemption signal
     (`elastic_stop`) ends it at the next commit with exit code 75 on every rank."""
 
@@ -116,14 +131,19 @@ def retrying(func: Callable[..., Any], *, begin: Callable[[ObjectStateBase], obj
         state._stop = stop = elastic_stop.start(state._rank())
         try:
             begin(state)
+            skip_sync = False
             while True:
-                state.sync()
+                if not skip_sync:
+                    state.sync()
                 try:
                     return func(state, *args, **kwargs)
+                except HostsUpdatedInterrupt as interrupt:  # at a commit: nothing to roll back
+                    skip_sync = interrupt.skip_sync
                 except Exception as error:
                     if not failed(error):
                         raise
                     state.restore()
+                    skip_sync = False
                 restart()
                 state.on_reset()
         except elastic_stop.StoppedAtCommit:

@@ -23,3 +23,13 @@ class HorovodUnsupportedError(UserError, NotImplementedError):
 
 class HorovodInternalError(RuntimeError):
     """A collective failed (Horovod's name, so ``except hvd.HorovodInternalError`` keeps working)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The elastic driver's hosts changed; raised on every rank at a commit or ``check_host_updates``, so that
+    ``hvd.elastic.run`` re-forms the group with the new workers (Horovod's name). ``skip_sync`` as Horovod's:
+    only hosts were added, so the survivors' state needs no rollback."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the elastic driver's hosts changed")
+        self.skip_sync = skip_sync

@@ -26,6 +26,7 @@ from polytrain.comm.mpi_transport import mpi_installed
 from polytrain.comm.net import free_port, keep_gloo_on_loopback, route_address
 from polytrain.environments import detect_world, ensure_master
 from polytrain.horovod.common import HorovodSettings, Topology, topology_from_records, topology_from_world
+from polytrain.horovod.torch import elastic_world
 from polytrain.horovod.torch import process_sets as ps_module
 from polytrain.horovod.torch.mpi import open_engine
 from polytrain.horovod.torch.runtime import Runtime, runtime
@@ -111,7 +112,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _check_comm(comm, world)
     backend = select_backend(torch.cuda.is_available(), dist.is_nccl_available())
     owns_group = not dist.is_initialized()
-    if owns_group:
+    elastic = elastic_world.membership() is not None and owns_group
+    if elastic:  # polytrain's elastic driver started this worker: its group is formed on the driver's store
+        elastic_world.check_supported(backend == "nccl")
+        from polytrain.adapters.torch.elastic_group import world_of
+
+        assignment, store = elastic_world.form()  # type: ignore[misc]
+        world, backend = world_of(assignment, world), "gloo"
+    elif owns_group:
         if world.size == 1:
             store = dist.HashStore()
         else:  # rank 0 (or torchrun's agent) hosts it; on a loopback master it and gloo listen on loopback only

@@ -11,8 +11,9 @@ The file holds tensors and JSON, never pickle, in a directory private to the use
 format both frameworks write (`polytrain.horovod.common.elastic_files`; `TorchTensors` is how torch
 tensors are stored in it): committed plain values must be numbers, strings, None, tensors, numpy
 arrays, or lists/tuples/dicts of them.
-Scaling the number of workers without a restart (horovodrun's host discovery) is not
-supported by the shim. This is the shim's module: with real Horovod, ``hvd.elastic`` is
+Under polytrain's elastic driver (``polytrain launch --launcher horovodrun --min-np ...`` without real Horovod)
+the group is re-formed in the same processes instead (`elastic_world`): survivors keep training, new hosts
+join at a commit (HostsUpdatedInterrupt). This is the shim's module: with real Horovod, ``hvd.elastic`` is
 ``horovod.torch.elastic``.
 """
 
@@ -33,7 +34,7 @@ from polytrain.horovod.common import HorovodInternalError, elastic_files
 from polytrain.horovod.common.elastic_files import STATE_DIR_VARIABLE, state_dir
 from polytrain.horovod.common.elastic_state import ObjectStateBase, retrying
 from polytrain.horovod.common.ops import Sum
-from polytrain.horovod.torch import basics
+from polytrain.horovod.torch import basics, elastic_world
 from polytrain.horovod.torch.collectives import barrier
 from polytrain.horovod.torch.functions import (
     broadcast_object,
@@ -41,6 +42,7 @@ from polytrain.horovod.torch.functions import (
     broadcast_parameters,
 )
 from polytrain.horovod.torch.ops import allreduce
+from polytrain.horovod.torch.optimizer import LIVE
 
 
 class TorchTensors(elastic_files.Tensors):
@@ -101,6 +103,11 @@ class ObjectState(ObjectStateBase):
 
     def _sum(self, value: float) -> float:
         return float(allreduce(torch.tensor([value], dtype=torch.float64), op=Sum, name="elastic.preempted")[0])
+
+    def _host_change(self) -> int | None:
+        if not elastic_world.active():
+            return None
+        return elastic_world.hosts_change() if self._rank() == 0 else 0
 
     def _read_state(self, directory: Path) -> Any | None:
         return read_state(directory)
@@ -220,15 +227,32 @@ def _handles(value: Any) -> bool:
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``func(state, ...)``, rolling back to the last commit and retrying on HorovodInternalError."""
-    return retrying(func, begin=lambda state: state.load_persisted(),
-                    failed=lambda error: isinstance(error, HorovodInternalError),
-                    restart=_restart)
+    """Run ``func(state, ...)``, rolling back to the last commit and retrying on HorovodInternalError (under
+    polytrain's elastic driver, also on a lost peer's gloo error) and going on after a HostsUpdatedInterrupt,
+    each time on a group re-formed in the same process."""
+    return retrying(func, begin=lambda state: state.load_persisted(), failed=_failed, restart=_restart)
+
+
+def _failed(error: BaseException) -> bool:
+    if isinstance(error, HorovodInternalError):
+        return True
+    from polytrain.adapters.torch.reform import is_peer_loss
+
+    return elastic_world.active() and is_peer_loss(error)
 
 
 def _restart() -> None:
+    """Horovod shut down and started again; under the elastic driver on its next membership version, with every
+    DistributedOptimizer set up again for the new group (its collectives in flight dropped first)."""
+    for optimizer in list(LIVE):
+        optimizer._reset_step()
     basics.shutdown()
+    if elastic_world.active():
+        elastic_world.next_round()
     basics.init()
+    for optimizer in list(LIVE):
+        optimizer._seq = 0
+        optimizer._build()
 
 
 __all__ = ["STATE_DIR_VARIABLE", "ElasticSampler", "ObjectState", "TorchState", "TorchTensors", "read_state", "run",

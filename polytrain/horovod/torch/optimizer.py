@@ -13,6 +13,7 @@ metadata exchange; the verdict, in the first bucket's spare last element, is rea
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +40,10 @@ from polytrain.observe.timeline import COLLECTIVES
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                     "Increase backward_passes_per_step to accumulate gradients locally.")
+
+
+#: every DistributedOptimizer of the process (an elastic re-form sets each up again: `elastic._restart`)
+LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -82,6 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sparse: list[torch.Tensor] = []
         self._layout = 0
         self._build()
+        LIVE.add(self)
 
     # --------------------------------------------------------------- the wrapped optimizer's data
     @property
