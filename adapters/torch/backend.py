@@ -227,6 +227,9 @@ class TorchBackend:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def unwrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
     def bind_data(self, info: Any) -> None:
         """Told the dataset's `DatasetInfo` before `wrap` (a layout that cuts the model needs an example input)."""
 

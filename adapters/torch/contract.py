@@ -68,6 +68,10 @@ class TorchBackendContract(Backend, Protocol):
         """The plain module inside what `wrap` returned."""
         ...
 
+    def unwrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer `wrap` was given, inside what it returned (an elastic re-form wraps it again)."""
+        ...
+
     def bind_data(self, info: Any) -> None:
         """Told the dataset's `DatasetInfo` before `wrap` (a layout that cuts the model needs an example input)."""
         ...

@@ -75,7 +75,7 @@ def regroup(framework: Any, backend: Any) -> Assignment:
     """A torch framework's reset after a lost peer: its wrapper over the old group dropped, the group re-formed
     at the driver's next membership version (`reform`), the same module and optimizer wrapped again over it.
     The caller loads its commit afterwards (DDP's wrapping broadcasts rank 0's weights, which it then replaces)."""
-    module, optimizer = backend.unwrap(framework.model), framework.optimizer
+    module, optimizer = backend.unwrap(framework.model), backend.unwrap_optimizer(framework.optimizer)
     framework.model = None
     optimizer.zero_grad(set_to_none=True)  # a failed step's partial gradients
     backend.teardown()  # the wrapper lets go of the group (DDP's reducer holds it), and the group is destroyed

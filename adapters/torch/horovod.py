@@ -44,6 +44,7 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
             # polytrain's implementation joins a process group that already exists: start it here,
             # with the spec's collective timeout.
             super().setup()
+            self._adopt_elastic()
         hvd.init()
         if (hvd.rank(), hvd.size()) != (self.world.rank, self.world.size):
             raise BackendUnavailableError(
@@ -56,8 +57,24 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
             runtime().timeline = self.timeline
 
     def teardown(self) -> None:
+        if getattr(self, "_optimizer", None) is not None and self.impl != "horovod":  # its hooks: a group gone
+            from polytrain.horovod.torch.elastic_world import release
+
+            release(self._optimizer)
         self.hvd.shutdown()
         super().teardown()
+
+    def _adopt_elastic(self) -> None:
+        """Under polytrain's elastic driver the group is this backend's (`elastic_group`): the shim is told which
+        membership version it was formed for."""
+        assignment = getattr(self, "assignment", None)
+        if assignment is not None:
+            from polytrain.horovod.torch import elastic_world
+
+            elastic_world.adopt(assignment)
+
+    def unwrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer.optimizer if optimizer is self._optimizer and optimizer is not None else optimizer
 
     @property
     def label(self) -> str:
@@ -68,6 +85,9 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
+        if not hvd.is_initialized():  # an elastic re-form (`elastic_group.regroup`): the shim on the new group
+            self._adopt_elastic()
+            hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if optimizer.state:  # a fresh optimizer has nothing to send, and Horovod would first run a
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # zero-gradient step (Adam's step -> 1)

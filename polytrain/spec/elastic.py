@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from polytrain.errors import SpecError
 from polytrain.spec.schema import rule
 
-#: the backends whose state every rank holds whole (a commit in host memory is enough to recover)
-ELASTIC_BACKENDS = ("auto", "ddp")
+#: the backends whose state every rank holds whole (a commit in host memory is enough to recover); horovod on
+#: polytrain's Horovod implementation only (`polytrain.train.elastic` says so at start where real Horovod runs)
+ELASTIC_BACKENDS = ("auto", "ddp", "horovod")
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ def check_elastic(elastic: ElasticSpec, framework: str, backend: str) -> None:
         raise SpecError(f"elastic.min_np: {elastic.min_np} is more than elastic.max_np {elastic.max_np}: "
                         "the job could never start")
     if framework != "torch":
-        raise SpecError(f"elastic: in-place recovery is PyTorch's in this version (framework 'torch', backend ddp), "
+        raise SpecError(f"elastic: in-place recovery is PyTorch's in this version (framework 'torch', backend ddp or horovod), "
                         f"not framework {framework!r}")
     if backend not in ELASTIC_BACKENDS:
         raise SpecError(f"elastic: backend {backend!r} cannot recover in place yet; elastic runs with backend "

@@ -15,7 +15,7 @@ driver's store (`polytrain.adapters.torch.elastic_group`), and the Trainer runs 
   each rank's share grows and the data plan (`polytrain.data.epoch_plan`) uses every remaining sample of the
   epoch exactly once at the new size.
 
-Replicated layouts only (ddp): every rank's commit is the whole state. Sharded layouts, the own loop and
+Replicated layouts only (ddp, and horovod on polytrain's implementation): every rank's commit is the whole state. Sharded layouts, the own loop and
 TensorFlow are refused in one line (docs/DESIGN.md, "Elastic training in place", says what is left).
 """
 
@@ -30,7 +30,7 @@ from polytrain.errors import SpecError
 from polytrain.train.state import Position, TrainResult
 
 #: the backends whose state every rank holds whole, so that one rank's commit is enough to go on
-RECOVERS = ("ddp",)
+RECOVERS = ("ddp", "horovod")
 
 
 @dataclasses.dataclass
@@ -68,6 +68,9 @@ class ElasticRun:
         if backend.name not in RECOVERS:
             raise SpecError(f"backend: {backend.name!r} cannot recover in place under polytrain's elastic driver yet; "
                             f"use backend {' or '.join(RECOVERS)}")
+        if getattr(backend, "impl", None) == "horovod":
+            raise SpecError("backend: 'horovod' recovers in place on polytrain's Horovod implementation, not on real "
+                            "Horovod; set POLYTRAIN_HOROVOD_IMPL=shim")
         return cls(trainer, spec.elastic.commit_every_n_steps if spec.elastic is not None else 1)
 
     # ------------------------------------------------------------------ commits

@@ -1,4 +1,5 @@
-"""The Trainer keeps training in place when a rank is SIGKILLed (issue 51.5, on ddp): a 3-rank job under
+"""The Trainer keeps training in place when a rank is SIGKILLed (issue 51.5, on ddp and on horovod with polytrain's
+Horovod implementation): a 3-rank job under
 ``polytrain launch --launcher local --elastic`` loses spawn rank 1 at the end of step 5; its two peers roll back
 to their commit of step 4 (``commit_every_n_steps: 2``), re-form the group at 2 ranks in the same processes and
 finish the epoch with the same global batch. Compared with a run that goes from 3 to 2 ranks at that commit with
@@ -23,8 +24,8 @@ KILL_STEP, KILL_RANK, GLOBAL_BATCH = 5, 1, 96
 HOSTS = "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
 
 
-def _spec(tmp_path: Path, out: Path, elastic: bool) -> Path:
-    spec = {"framework": "torch", "backend": "ddp", "model": {"name": "elastic_parts:model"},
+def _spec(tmp_path: Path, out: Path, elastic: bool, backend: str = "ddp") -> Path:
+    spec = {"framework": "torch", "backend": backend, "model": {"name": "elastic_parts:model"},
             "data": {"name": "digits", "global_batch_size": GLOBAL_BATCH}, "loop": {"epochs": 1},
             "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "callbacks": ["elastic_parts:Samples"],
             "output": str(out), "reliability": {"collective_timeout_s": 60}}
@@ -51,13 +52,30 @@ def _trained(records: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same job with no failure, going from 3 to 2 ranks at the commit: a checkpoint of step 4 on 3 ddp ranks,
+    resumed on 2 (each backend trains like ddp: the same average of the same gradients)."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    ref = tmp_path / "reference"
+    spec = _spec(tmp_path, ref, False)
+    ref_env = {"PYTHONPATH": str(HERE)}
+    check(train(ref, [f"loop.max_steps={KILL_STEP - 1}", f"checkpoint.every_n_steps={KILL_STEP - 1}"], spec=spec,
+                nproc=3, env=ref_env, timeout=300))
+    check(train(ref, [], spec=spec, nproc=2, resume="auto", env=ref_env, timeout=300))
+    return ref
+
+
 @pytest.mark.timeout(600)
-def test_a_killed_rank_costs_no_work(tmp_path):
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_a_killed_rank_costs_no_work(tmp_path: Path, reference: Path, backend: str) -> None:
     env = loopback_env(PYTHONPATH=str(HERE), ELASTIC_TEST_KILL=f"{KILL_STEP}:{KILL_RANK}",
-                       POLYTRAIN_ELASTIC_DISCOVERY_INTERVAL="0.2", HOROVOD_GLOO_TIMEOUT_SECONDS="60")
+                       POLYTRAIN_ELASTIC_DISCOVERY_INTERVAL="0.2", HOROVOD_GLOO_TIMEOUT_SECONDS="60",
+                       POLYTRAIN_HOROVOD_IMPL="shim")
     out = tmp_path / "elastic"
     result = run([*__import__("procs").PYTHON, "-m", "polytrain.cli", "launch", "--launcher", "local", "--elastic",
-                  "-np", "3", "--min-np", "2", "-H", HOSTS, str(_spec(tmp_path, out, True))], env=env, timeout=400)
+                  "-np", "3", "--min-np", "2", "-H", HOSTS, str(_spec(tmp_path, out, True, backend))], env=env,
+                 timeout=400)
     check(result)
     assert result.left_behind == []
     records = _records(out)
@@ -75,13 +93,7 @@ def test_a_killed_rank_costs_no_work(tmp_path):
     assert [len(final[s]) for s in steps] == [3] * (KILL_STEP - 1) + [2] * (len(steps) - KILL_STEP + 1)
     elastic_rows = Counter(row for s in steps for r in final[s] for row in r["rows"])
 
-    # the same job with no failure, going from 3 to 2 ranks at that commit: a checkpoint of step 4, resumed
-    ref = tmp_path / "reference"
-    spec = _spec(tmp_path, ref, False)
-    ref_env = {"PYTHONPATH": str(HERE)}
-    check(train(ref, [f"loop.max_steps={KILL_STEP - 1}", f"checkpoint.every_n_steps={KILL_STEP - 1}"], spec=spec,
-                nproc=3, env=ref_env, timeout=300))
-    check(train(ref, [], spec=spec, nproc=2, resume="auto", env=ref_env, timeout=300))
+    ref = reference
     ref_final = _trained(_records(ref))
     assert sorted(ref_final) == steps
     ref_rows = Counter(row for s in steps for r in ref_final[s] for row in r["rows"])

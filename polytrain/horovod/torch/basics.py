@@ -112,13 +112,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _check_comm(comm, world)
     backend = select_backend(torch.cuda.is_available(), dist.is_nccl_available())
     owns_group = not dist.is_initialized()
-    elastic = elastic_world.membership() is not None and owns_group
+    elastic = owns_group and elastic_world.membership() is not None
     if elastic:  # polytrain's elastic driver started this worker: its group is formed on the driver's store
         elastic_world.check_supported(backend == "nccl")
-        from polytrain.adapters.torch.elastic_group import world_of
-
         assignment, store = elastic_world.form()  # type: ignore[misc]
-        world, backend = world_of(assignment, world), "gloo"
+        world, backend = elastic_world.world(world), "gloo"
     elif owns_group:
         if world.size == 1:
             store = dist.HashStore()
@@ -135,9 +133,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         store = dist.PrefixStore(f"polytrain-hvd/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_init_count}", store)
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=world.rank,
                                 world_size=world.size)
-    else:  # the script started torch.distributed itself: reuse it
+    else:  # the script (or a Trainer's backend) started torch.distributed itself: reuse it
         store = dist.distributed_c10d._get_default_store()
         backend = str(dist.get_backend())
+        world = elastic_world.world(world)  # under the elastic driver: the version the group was formed for
     records = torch.tensor([world.node_rank, world.local_rank, world.local_size], dtype=torch.int64)
     gathered = torch.empty(world.size * 3, dtype=torch.int64)
     if world.size > 1:

@@ -42,7 +42,6 @@ from polytrain.horovod.torch.functions import (
     broadcast_parameters,
 )
 from polytrain.horovod.torch.ops import allreduce
-from polytrain.horovod.torch.optimizer import LIVE
 
 
 class TorchTensors(elastic_files.Tensors):
@@ -244,13 +243,13 @@ def _failed(error: BaseException) -> bool:
 def _restart() -> None:
     """Horovod shut down and started again; under the elastic driver on its next membership version, with every
     DistributedOptimizer set up again for the new group (its collectives in flight dropped first)."""
-    for optimizer in list(LIVE):
+    for optimizer in list(elastic_world.LIVE):
         optimizer._reset_step()
     basics.shutdown()
     if elastic_world.active():
         elastic_world.next_round()
     basics.init()
-    for optimizer in list(LIVE):
+    for optimizer in list(elastic_world.LIVE):
         optimizer._seq = 0
         optimizer._build()
 

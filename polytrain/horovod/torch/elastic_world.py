@@ -15,10 +15,13 @@ Only gloo (CPU) groups are formed here: on CUDA tensors the shim's NCCL group is
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 from polytrain.comm.membership import ADDED, Assignment, JobEnded, Membership
 
+#: every DistributedOptimizer of the process: a re-form sets each up again (`hvd.elastic.run`'s restart)
+LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 _membership: Membership | None = None
 _assignment: Assignment | None = None
 _hosts_seen = 0.0
@@ -64,6 +67,20 @@ def active() -> bool:
     return _assignment is not None
 
 
+def adopt(assignment: Assignment) -> None:
+    """The group of ``assignment`` was formed by someone else (a Trainer's horovod backend under the driver):
+    ``hvd.init`` joins it as that assignment's rank, size and local ranks (the environment is the spawn-time one)."""
+    global _assignment
+    _assignment = assignment
+
+
+def world(base: Any) -> Any:
+    """``base`` (the launcher's World) at the current assignment's ranks and size."""
+    from polytrain.adapters.torch.elastic_group import world_of
+
+    return world_of(_assignment, base) if _assignment is not None else base
+
+
 def hosts_change() -> int:
     """What the driver's hosts did since this version's group was formed (ask on rank 0 only): 0 nothing,
     1 hosts removed only, 2 hosts added (maybe removed too)."""
@@ -95,3 +112,13 @@ def next_round() -> None:
     if following is None:  # removed from the job (its host blacklisted or not listed): no failure
         raise SystemExit(0)
     _assignment = following
+
+
+def release(optimizer: Any) -> None:
+    """``optimizer`` (a DistributedOptimizer) reduces no more: its hooks removed, out of `LIVE` (a Trainer's
+    elastic re-form wraps the inner optimizer anew)."""
+    for hook in optimizer._hooks:
+        hook.remove()
+    optimizer._hooks.clear()
+    optimizer._reset_step()
+    LIVE.discard(optimizer)

@@ -13,7 +13,6 @@ metadata exchange; the verdict, in the first bucket's spare last element, is rea
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from polytrain.horovod.common import Adasum, Average
-from polytrain.horovod.torch import speculate, stall, transport
+from polytrain.horovod.torch import elastic_world, speculate, stall, transport
 from polytrain.horovod.torch.buckets import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -40,10 +39,6 @@ from polytrain.observe.timeline import COLLECTIVES
 
 _TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
                     "Increase backward_passes_per_step to accumulate gradients locally.")
-
-
-#: every DistributedOptimizer of the process (an elastic re-form sets each up again: `elastic._restart`)
-LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -87,7 +82,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sparse: list[torch.Tensor] = []
         self._layout = 0
         self._build()
-        LIVE.add(self)
+        elastic_world.LIVE.add(self)
 
     # --------------------------------------------------------------- the wrapped optimizer's data
     @property
