@@ -19,6 +19,7 @@ from polytrain.environments.detect import restart_count
 from polytrain.horovod.common import elastic_stop
 from polytrain.horovod.common.elastic_files import state_dir
 from polytrain.horovod.common.errors import HostsUpdatedInterrupt
+from polytrain.spec.preemption import PREEMPTED_EXIT
 from polytrain.train.preemption import NO_STOP
 
 #: the host change's place in a commit's all-reduced notes (above any count of signalled ranks)
@@ -57,6 +58,10 @@ class ObjectStateBase:
         for callback in self._reset_callbacks:
             callback()
 
+    def _size(self) -> int:
+        """The number of ranks now."""
+        raise NotImplementedError
+
     def _host_change(self) -> int | None:
         """Rank 0's view of the elastic driver's hosts since the group formed (0 none, 1 removed only, 2 added;
         other ranks 0), or None when no elastic driver runs the job."""
@@ -74,12 +79,17 @@ class ObjectStateBase:
             return
         self._commits += 1
         notes = int(self._sum(float(self._stop.asked + (change or 0) * HOSTS_NOTE)))
-        if self._stop.spec is not None:
-            self._stop.heard(notes % HOSTS_NOTE, self._commits)
+        signalled, hosts = notes % HOSTS_NOTE, notes // HOSTS_NOTE
+        if signalled and change is not None and signalled < self._size():  # some hosts go: the rest go on
+            if self._stop.asked:
+                raise elastic_stop.LeftAtCommit
+            hosts = max(hosts, 1)  # as hosts removed (added ones too: then the state is synced)
+        elif self._stop.spec is not None:
+            self._stop.heard(signalled, self._commits)
             if self._stop.due(self._commits):
                 raise elastic_stop.StoppedAtCommit
-        if notes >= HOSTS_NOTE:
-            raise HostsUpdatedInterrupt(skip_sync=notes // HOSTS_NOTE == 1)
+        if hosts:
+            raise HostsUpdatedInterrupt(skip_sync=hosts == 1)
 
     def save(self) -> None:
         self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
@@ -146,6 +156,11 @@ def retrying(func: Callable[..., Any], *, begin: Callable[[ObjectStateBase], obj
                     skip_sync = False
                 restart()
                 state.on_reset()
+        except elastic_stop.LeftAtCommit:
+            print(f"polytrain: rank {state._rank()}: preempted by {stop.signal}: left the elastic job after its "
+                  "commit; the other ranks go on without it (exit code 75)", file=sys.stderr, flush=True)
+            stop.stopped_at = state._commits  # on its way out: a signal meanwhile changes nothing (`close`)
+            raise SystemExit(PREEMPTED_EXIT) from None
         except elastic_stop.StoppedAtCommit:
             if state._rank() == 0:
                 elastic_stop.mark(state_dir())

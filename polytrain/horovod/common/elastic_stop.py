@@ -9,6 +9,11 @@ of the notes, so no collective is added. Once one rank was signalled, every rank
 which rank 0 has written to the state directory — with exit code 75 (resumable); rank 0 leaves a mark there, and
 the job's next start (a requeue, a relaunch) resumes from that commit as a restarted job does.
 
+Under polytrain's elastic driver (the shim re-forms its group in place) a signal to some ranks only is a host
+going away, not the job's end: after the commit the signalled ranks leave with exit code 75 (`LeftAtCommit`) and
+the others go on in place at the smaller size from that commit, as after hosts removed. A signal to every rank
+still stops the whole job as above.
+
 The state directory must be one the next start can read (``POLYTRAIN_HOROVOD_ELASTIC_DIR`` on shared storage
 where the job may come back on another node).
 """
@@ -32,6 +37,12 @@ RESUME = "the job's next start resumes from that commit (hvd.elastic's state dir
 
 class StoppedAtCommit(BaseException):
     """Every rank stops at this commit (a BaseException: a script's ``except Exception`` must not swallow it)."""
+
+
+class LeftAtCommit(BaseException):
+    """Under polytrain's elastic driver, this signalled rank leaves the job at this commit while the ranks not
+    signalled go on in place (their state is that commit: nothing to redo). The leaver exits with code 75, which
+    the driver counts as its host's failure: the host is left out of the next round."""
 
 
 def preemption_table(env: Mapping[str, str] = os.environ) -> PreemptionSpec | None:

@@ -103,6 +103,9 @@ class ObjectState(ObjectStateBase):
     def _sum(self, value: float) -> float:
         return float(allreduce(torch.tensor([value], dtype=torch.float64), op=Sum, name="elastic.preempted")[0])
 
+    def _size(self) -> int:
+        return basics.size()
+
     def _host_change(self) -> int | None:
         if not elastic_world.active():
             return None
@@ -165,6 +168,14 @@ class TorchState(ObjectState):
             else:
                 value.load_state_dict(broadcast_object(value.state_dict()))
         super().sync()
+
+    def reset(self) -> None:
+        """After a re-form: each ElasticSampler partitions what is left of its epoch at the new size (the sync that
+        would do it is skipped when hosts were only removed)."""
+        for value in self._handled.values():
+            if isinstance(value, ElasticSampler):
+                value.reset()
+        super().reset()
 
     def snapshot(self) -> dict[str, Any]:
         return {**super().snapshot(), "handled": self._saved_handled}

@@ -6,7 +6,9 @@ same processes when a host joins and when a worker is SIGKILLed.
 each epoch's end. Rank 0 creates ``$ELASTIC_TEST_MARK`` (the discovery script then lists a new host) at the
 commit after 16 samples of epoch 0 and waits until the driver has seen it, so the newcomer joins at the next
 commit (24 samples). The worker on host ``$ELASTIC_TEST_KILL_HOST`` SIGKILLs itself before the step at 42
-samples (after the commit at 36), so the survivors roll back and redo nothing else. Each commit appends, per
+samples (after the commit at 36), so the survivors roll back and redo nothing else. In epoch 1 the worker on host
+``$ELASTIC_TEST_PREEMPT_HOST`` gets a SIGTERM before the step at 8 samples (``POLYTRAIN_PREEMPTION_SIGNALS``
+set): it leaves after the next commit (16) with exit code 75, and the last worker goes on alone. Each commit appends, per
 rank, the steps trained since the previous commit (epoch, samples processed before the step, size, the
 sample indices) to LOGDIR/<pid>.jsonl: steps rolled back are never written there; every step trained is also
 written at once ("trained"), to count what was done again. Rank 0 writes the final weights.
@@ -22,10 +24,9 @@ import numpy as np
 import torch
 
 import polytrain.horovod.torch as hvd
-from polytrain.horovod.common import HostsUpdatedInterrupt
 
 SAMPLES, BATCH, EPOCHS, COMMIT_EVERY = 48, 2, 2, 2
-MARK_AT, KILL_AT = 16, 42
+MARK_AT, KILL_AT, PREEMPT_AT = 16, 42, 8
 logdir = sys.argv[1]
 hvd.init()
 X = torch.from_numpy(np.random.default_rng(0).standard_normal((SAMPLES, 4)).astype(np.float32))
@@ -49,7 +50,7 @@ def write(event: str, **fields) -> None:
 def commit() -> None:
     try:
         state.commit()
-    except HostsUpdatedInterrupt:  # raised after the commit was made
+    except BaseException:  # raised after the commit was made (hosts changed, this rank leaves, a peer lost)
         flush()
         raise
     flush()
@@ -86,9 +87,11 @@ def train(state) -> None:
         loader = torch.utils.data.DataLoader(range(SAMPLES), batch_size=BATCH, sampler=state.sampler)
         for index in loader:
             at = state.sampler.processed_num
-            if (state.epoch, at) == (0, KILL_AT) and os.environ.get("HOROVOD_HOSTNAME") == os.environ.get(
-                    "ELASTIC_TEST_KILL_HOST"):
+            host = os.environ.get("HOROVOD_HOSTNAME")
+            if (state.epoch, at) == (0, KILL_AT) and host == os.environ.get("ELASTIC_TEST_KILL_HOST"):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if (state.epoch, at) == (1, PREEMPT_AT) and host == os.environ.get("ELASTIC_TEST_PREEMPT_HOST"):
+                os.kill(os.getpid(), signal.SIGTERM)  # noted; this rank leaves at the next commit
             optimizer.zero_grad()
             loss = ((model(X[index]) - Y[index]) ** 2).mean()
             loss.backward()
