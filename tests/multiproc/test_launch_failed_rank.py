@@ -27,11 +27,19 @@ KILLED = re.compile(r"^polytrain launch: rank 1 (on host \S+ )?was killed by SIG
 RAISED = re.compile(r"^polytrain launch: rank 1 on host \S+ exited with code 1 \(RuntimeError: injected failure "
                     r"on rank 1\); (torchrun|mpirun) exited with code [1-9]\d*$", re.MULTILINE)
 
+# Rank 1 dies only once rank 0 is up (a file rank 0 makes after its line): else, on a loaded machine, rank 1 could
+# die before rank 0 had started, and the launcher stop rank 0 before it printed its line.
 KILL_RANK_1 = """\
-import os, signal
+import os, signal, time
 rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+up = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank-0-up")
 print(f"rank {rank} up", flush=True)
+if rank == "0":
+    open(up, "w").close()
 if rank == "1":
+    deadline = time.monotonic() + 120
+    while not os.path.exists(up) and time.monotonic() < deadline:
+        time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
 signal.pause()  # until the launcher stops this rank
 """
