@@ -132,8 +132,8 @@ def retrying(func: Callable[..., Any], *, begin: Callable[[ObjectStateBase], obj
              failed: Callable[[BaseException], bool], restart: Callable[[], None]) -> Callable[..., Any]:
     """``hvd.elastic.run(func)``: ``begin(state)`` once (a restarted job restores its last commit), then each
     attempt syncs ``state`` from rank 0 and calls ``func(state, ...)``; an exception ``failed`` says is a failed
-    collective rolls ``state`` back to its last commit (a HostsUpdatedInterrupt, raised at a commit, does not), ``restart()`` shuts Horovod down and initialises it again,
-    the reset callbacks run, and it tries again. Any other exception ends the run. A preemption signal
+    collective rolls ``state`` back to its last commit (a HostsUpdatedInterrupt, raised at a commit, does not),
+    ``restart()`` shuts Horovod down and initialises it again, the reset callbacks run, and it tries again. Any other exception ends the run. A preemption signal
     (`elastic_stop`) ends it at the next commit with exit code 75 on every rank."""
 
     @functools.wraps(func)
