@@ -65,6 +65,17 @@ def keras_extras_left_out() -> Iterator[None]:
         sys.meta_path.remove(finder)
 
 
+def _import_keras_and_tensorflow() -> bool:
+    """Keras and TensorFlow imported without Keras's extras; False where they are not installed."""
+    with keras_extras_left_out():
+        try:
+            import keras  # noqa: F401
+            import tensorflow  # noqa: F401
+        except ImportError:
+            return False
+    return True
+
+
 def import_tensorflow_quietly(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
     """Import TensorFlow (and Keras) with the start-up notices left out, unless the user set the log level
     or TensorFlow is imported already; returns whether it did. Without TensorFlow it does nothing (the
@@ -72,12 +83,7 @@ def import_tensorflow_quietly(environ: dict[str, str] | os._Environ[str] = os.en
     if "tensorflow" in sys.modules:
         return False
     if LEVEL_VARIABLE in environ:
-        with keras_extras_left_out():
-            try:
-                import keras  # noqa: F401
-                import tensorflow  # noqa: F401
-            except ImportError:
-                pass
+        _import_keras_and_tensorflow()
         return False
     environ[LEVEL_VARIABLE] = QUIET_LEVEL
     sys.stderr.flush()
@@ -86,11 +92,8 @@ def import_tensorflow_quietly(environ: dict[str, str] | os._Environ[str] = os.en
         with tempfile.TemporaryFile() as capture:
             os.dup2(capture.fileno(), 2)
             try:
-                with keras_extras_left_out():
-                    import keras  # noqa: F401
-                    import tensorflow  # noqa: F401
-            except ImportError:
-                return False
+                if not _import_keras_and_tensorflow():
+                    return False
             finally:
                 sys.stderr.flush()
                 os.dup2(saved, 2)

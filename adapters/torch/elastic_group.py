@@ -56,11 +56,9 @@ def reform(backend: Any) -> Assignment:
     from polytrain.adapters.torch import reform as groups
 
     membership, old = backend.membership, backend.assignment
-    groups.release()
     backend._owns_group = False
-    membership.leave(old.version)
     try:
-        assignment = membership.next(old.version)
+        assignment = groups.next_round(membership, old.version)
     except JobEnded as ended:
         if ended.ok:
             raise SystemExit(0) from None

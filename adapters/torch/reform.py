@@ -121,6 +121,15 @@ def release() -> None:
     gc.collect()
 
 
+def next_round(membership: Membership, version: int) -> Assignment | None:
+    """Steps 3-4 after the holders are dropped: release the group, leave round ``version``, wait for the driver's
+    next; this worker's assignment there, None when it is left out. Raises `JobEnded` when the driver ended the
+    job instead (each caller says it in its own way)."""
+    release()
+    membership.leave(version)
+    return membership.next(version)
+
+
 def is_peer_loss(exc: BaseException) -> bool:
     """Whether ``exc`` (from a collective or a group's init) means a peer died or stopped answering, so the
     group must be re-formed: gloo's RuntimeError texts, c10d's DistError family (store waits included)."""

@@ -28,7 +28,7 @@ class HorovodInternalError(RuntimeError):
 class HostsUpdatedInterrupt(RuntimeError):
     """The elastic driver's hosts changed; raised on every rank at a commit or ``check_host_updates``, so that
     ``hvd.elastic.run`` re-forms the group with the new workers (Horovod's name). ``skip_sync`` as Horovod's:
-    only hosts were added, so the survivors' state needs no rollback."""
+    hosts were only removed, so no newcomer needs the survivors' state (nothing is rolled back either way)."""
 
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("the elastic driver's hosts changed")

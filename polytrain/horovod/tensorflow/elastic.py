@@ -100,9 +100,6 @@ class ObjectState(ObjectStateBase):
     def _sum(self, value: float) -> float:
         return float(_impl.allreduce(tf.constant([value], tf.float64), op=Sum, name="elastic.preempted")[0])
 
-    def _size(self) -> int:
-        return int(_impl.size())
-
     def _read_state(self, directory: Path) -> Any | None:
         return read_state(directory)
 

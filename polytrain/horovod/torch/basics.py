@@ -115,7 +115,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     elastic = owns_group and elastic_world.membership() is not None
     if elastic:  # polytrain's elastic driver started this worker: its group is formed on the driver's store
         elastic_world.check_supported(backend == "nccl")
-        assignment, store = elastic_world.form()  # type: ignore[misc]
+        store = elastic_world.form()
         world, backend = elastic_world.world(world), "gloo"
     elif owns_group:
         if world.size == 1:

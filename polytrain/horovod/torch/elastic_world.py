@@ -6,7 +6,7 @@ rendezvous of its own: ``hvd.init`` forms the default gloo group of the worker's
 driver's hosts changed (`next_round`): the group released (`polytrain.adapters.torch.reform`), the driver
 told, its next version awaited, and ``hvd.init`` forms that one. A worker the driver leaves out exits 0; a job
 the driver ended exits with the driver's line and code. Rank 0 reads the driver's host updates
-(`hosts_changed`); the ranks agree on them at a commit, in the all-reduce the commit makes.
+(`hosts_change`); the ranks agree on them at a commit, in the all-reduce the commit makes.
 
 Only gloo (CPU) groups are formed here: on CUDA tensors the shim's NCCL group is not re-formed in place
 (`check_supported` says so in one line).
@@ -42,15 +42,14 @@ def check_supported(cuda: bool) -> None:
                            "place; a CUDA job runs elastic on real Horovod (POLYTRAIN_HOROVOD_IMPL=horovod)")
 
 
-def form() -> tuple[Assignment, Any] | None:
-    """Form the default gloo group of this worker's current membership version; its assignment and a store for
-    the shim's own keys (process sets, stall records), or None when this is no elastic worker."""
+def form() -> Any:
+    """Form the default gloo group of this worker's current membership version (an elastic worker's: see
+    `membership`); a store for the shim's own keys (process sets, stall records)."""
     global _assignment, _hosts_seen
     from polytrain.adapters.torch import reform
 
     member = membership()
-    if member is None:
-        return None
+    assert member is not None
     if _assignment is None:
         _assignment = member.assignment(member.version)
         if _assignment is None:
@@ -60,7 +59,7 @@ def form() -> tuple[Assignment, Any] | None:
     _hosts_seen = (member.hosts_update() or (0.0, 0))[0]
     from torch.distributed import PrefixStore
 
-    return _assignment, PrefixStore(f"polytrain-hvd/elastic/{_assignment.version}", member.store)
+    return PrefixStore(f"polytrain-hvd/elastic/{_assignment.version}", member.store)
 
 
 def active() -> bool:
@@ -101,10 +100,8 @@ def next_round() -> None:
 
     member, old = membership(), _assignment
     assert member is not None and old is not None
-    reform.release()
-    member.leave(old.version)
     try:
-        following = member.next(old.version)
+        following = reform.next_round(member, old.version)
     except JobEnded as ended:
         if not ended.ok:
             print(f"polytrain: the elastic driver ended the job: {ended.line}", file=sys.stderr, flush=True)
