@@ -16,7 +16,8 @@ CHECKS = {
     "groups=2", "equals DDP", "join returns the last rank", "sparse gradients allgathered", "sparse_as_dense", "zero_grad with pending allreduces raises", "step after synchronize warns",
     "too many backward passes raises", "duplicate names raise", "LR scheduler accepts it", "broadcast_parameters",
     "broadcast_optimizer_state scalars", "broadcast_optimizer_state created Adam state",
-    "broadcast_optimizer_state tensors", "broadcast_optimizer_state leaves a stateless optimizer's weights and gradients",
+    "broadcast_optimizer_state tensors", "broadcast_optimizer_state leaves a stateless optimizer's weights",
+    "broadcast_optimizer_state puts a stateless optimizer's gradients back",
     "SyncBatchNorm output", "SyncBatchNorm running stats",
     "SyncBatchNorm input gradient", "SyncBatchNorm weight gradient", "SyncBatchNorm eval",
 }

@@ -236,8 +236,9 @@ plain = torch.optim.SGD(model.parameters(), lr=0.1)
 model(torch.ones(2, 4)).sum().backward()
 before, grad = flat(model).clone(), model.weight.grad.clone()
 hvd.broadcast_optimizer_state(plain, root_rank=0)
-flag("broadcast_optimizer_state leaves a stateless optimizer's weights and gradients",
-     torch.equal(flat(model), before) and torch.equal(model.weight.grad, grad))
+flag("broadcast_optimizer_state leaves a stateless optimizer's weights", torch.equal(flat(model), before))
+if not REAL:  # Horovod leaves the zeros it stepped with in .grad; the shim puts each gradient back
+    flag("broadcast_optimizer_state puts a stateless optimizer's gradients back", torch.equal(model.weight.grad, grad))
 
 
 # SyncBatchNorm: my shard through SyncBatchNorm == my rows of a full-batch BatchNorm (Horovod's needs a GPU)
