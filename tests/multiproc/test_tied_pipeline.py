@@ -63,20 +63,19 @@ def optimizer_file(out: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray, dict]]:
     """Every run of the file, one launch per world size in the order their checkpoints need
-    (`procs.trained_runs`): one process; the grid at 8; at 4 ranks P=2 × T=2, P=4 and the resumes of the one
-    process's checkpoint at P=2 × D=2 over FSDP and of the grid's at D=4; at 2 ranks P=2 and the zero-bubble
-    schedules; one process resuming P=2's and the grid's. Every run left no process and
-    ended with the same full model on every rank (`procs.one_model_on_every_rank`)."""
+    (`procs.trained_runs`): at 2 ranks P=2 and the zero-bubble schedules; the grid at 8; one process straight
+    through, then resuming P=2's and the grid's; at 4 ranks P=2 × T=2, P=4 and the resumes of the one process's
+    checkpoint at P=2 × D=2 over FSDP and of the grid's at D=4. Every run left no process and ended with the
+    same full model on every rank (`procs.one_model_on_every_rank`)."""
     root = tmp_path_factory.mktemp("tied")
     done: dict[str, tuple[Path, np.ndarray, dict]] = {}
     plans = (
-        (1, lambda: {"one": (["backend=ddp"], None)}),
+        (2, lambda: {"p2": (P2, None), **{name: (sets, None) for name, sets in SCHEDULES.items()}}),
         (8, lambda: {"grid": (GRID, None)}),
+        (1, lambda: {"one": (["backend=ddp"], None), "one-from-p2": (["backend=ddp"], saved(root / "p2")),
+                     "one-from-grid": (["backend=ddp"], saved(root / "grid"))}),
         (4, lambda: {"p2t2": (P2T2, None), "p4": (P4, None), "p2d2-fsdp-from-one": (P2D2_FSDP, saved(root / "one")),
                      "fsdp-d4-from-grid": (["backend=fsdp"], saved(root / "grid"))}),
-        (2, lambda: {"p2": (P2, None), **{name: (sets, None) for name, sets in SCHEDULES.items()}}),
-        (1, lambda: {"one-from-p2": (["backend=ddp"], saved(root / "p2")),
-                     "one-from-grid": (["backend=ddp"], saved(root / "grid"))}),
     )
     for nproc, plan in plans:
         plan = plan()
