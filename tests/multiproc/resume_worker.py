@@ -1,5 +1,5 @@
 """Several Trainer runs in one launched job: ``test_resume_matrix.py``, ``test_workloads.py`` and, through
-`procs.trained_runs`, the model-parallel, tied-pipeline, sharded-parity and checkpointing/compile files.
+`procs.trained_runs`, the tied-pipeline, sharded-parity and checkpointing/compile files.
 
 ``python resume_worker.py PLAN_JSON`` — PLAN_JSON is ``{"sets": [KEY=VALUE, ...], "runs": [{"spec": SPEC_FILE,
 "sets": [KEY=VALUE, ...], "output": DIR, "resume": CHECKPOINT | "auto"}, ...]}``, every key but ``runs``
