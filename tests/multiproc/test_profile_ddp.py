@@ -7,16 +7,19 @@ profiler on 2 tf-multiworker ranks, with the strategy's CollectiveReduceV2."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from procs import check, read_metrics, train
+from procs import check, command, job_env, read_metrics, run, train
 from specs import as_sets, lm
 
 from polytrain.horovod.common import _import_error
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+WORKER = str(Path(__file__).resolve().parent / "traced_worker.py")
+PROFILED = ["loop.max_steps=4", "profile.steps=[2,3]", "profile.ranks=[0,1]"]
 
 
 #: each backend's gradient collective in the trace: as torch.profiler names the c10d op; the MPI backend's
@@ -35,14 +38,11 @@ def profiled_steps(out: Path, rank: int) -> list[set[str]]:
     return [{e["name"] for e in events if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]} for m in markers]
 
 
-@pytest.mark.parametrize("backend", sorted(COLLECTIVE))
-def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_path: Path, backend: str) -> None:
-    pytest.importorskip("mlflow")
-    out, database = tmp_path / "out", tmp_path / "mlflow.db"
-    mpi = backend == "mpi"
-    check(train(out, [f"backend={backend}", "loop.max_steps=4", "loop.log_every_n_steps=1", "profile.steps=[2,3]",
-                      "profile.ranks=[0,1]", f"logging.mlflow.tracking_uri=sqlite:///{database}"], nproc=2,
-                launcher="mpirun" if mpi else None, args=["--timeline", str(tmp_path / "t.json")] if mpi else ()))
+def tracked(backend: str, database: Path) -> list[str]:
+    return [f"backend={backend}", *PROFILED, "loop.log_every_n_steps=1", f"logging.mlflow.tracking_uri=sqlite:///{database}"]
+
+
+def assert_profiled_and_tracked(out: Path, database: Path, backend: str) -> None:
     for rank in (0, 1):
         for inside in profiled_steps(out, rank):
             assert {*COLLECTIVE[backend], "aten::linear", "Optimizer.step#SGD.step"} <= inside, (rank, sorted(
@@ -54,6 +54,36 @@ def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_
     assert run.data.tags["polytrain.world_size"] == "2" and run.data.tags["polytrain.backend"] == backend
     logged = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     assert logged == {r["step"]: r["loss"] for r in read_metrics(out, "step")} and sorted(logged) == [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def torchrun_profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun launch of ``traced_worker.py`` (torch's import and the agent once) that runs, in turn, DDP and
+    FSDP tracked to MLflow (where MLflow imports) and the torchrun layouts of `LAYOUTS` (DeepSpeed where it
+    imports), each profiled into ``root/NAME`` (MLflow's database ``root/NAME.db``)."""
+    root = tmp_path_factory.mktemp("torchrun")
+    found = {m: importlib.util.find_spec(m) is not None for m in ("mlflow", "deepspeed")}
+    runs = [*([[*tracked(b, root / f"{b}.db"), f"output={root / b}"] for b in ("ddp", "fsdp")] if found["mlflow"]
+              else []),
+            *[[*LAYOUTS[n][0], *PROFILED, f"output={root / n}"] for n in TORCHRUN_LAYOUTS
+              if n != "deepspeed" or found["deepspeed"]]]
+    check(run(command("torchrun", [WORKER, json.dumps({"runs": [{"sets": r} for r in runs]})], 2), env=job_env(),
+              timeout=560))
+    return root
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", sorted(COLLECTIVE))
+def test_every_profiled_rank_traces_its_collectives_and_rank_0_alone_tracks(tmp_path: Path, backend: str,
+                                                                           request: pytest.FixtureRequest) -> None:
+    pytest.importorskip("mlflow")
+    if backend != "mpi":  # DDP and FSDP: runs of the shared torchrun launch
+        root = request.getfixturevalue("torchrun_profiles")
+        assert_profiled_and_tracked(root / backend, root / f"{backend}.db", backend)
+        return
+    out, database = tmp_path / "out", tmp_path / "mlflow.db"
+    check(train(out, tracked(backend, database), nproc=2, launcher="mpirun", args=["--timeline", str(tmp_path / "t.json")]))
+    assert_profiled_and_tracked(out, database, backend)
 
 
 #: the layouts issue 31 names beyond the data-parallel backends: DeepSpeed ZeRO-2 (its gradient reduction and the
@@ -70,14 +100,21 @@ LAYOUTS = {
 }
 
 
+TORCHRUN_LAYOUTS = ("tensor2", "pipeline2", "deepspeed")  # in the shared torchrun launch; horovod under horovodrun
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(tmp_path: Path, layout: str) -> None:
+def test_deepspeed_and_the_parallel_layouts_are_profiled_with_their_collectives(tmp_path: Path, layout: str,
+                                                                               request: pytest.FixtureRequest) -> None:
     sets, collectives = LAYOUTS[layout]
     if layout in ("deepspeed", "horovod"):
         pytest.importorskip("deepspeed" if layout == "deepspeed" else "horovod.torch")
-    out = tmp_path / "out"
-    check(train(out, [*sets, "loop.max_steps=4", "profile.steps=[2,3]", "profile.ranks=[0,1]"], nproc=2,
-                launcher="horovodrun-gloo" if layout == "horovod" else None))
+    if layout in TORCHRUN_LAYOUTS:
+        out = request.getfixturevalue("torchrun_profiles") / layout
+    else:
+        out = tmp_path / "out"
+        check(train(out, [*sets, *PROFILED], nproc=2, launcher="horovodrun-gloo"))
     for rank in (0, 1):
         for inside in profiled_steps(out, rank):
             assert {*collectives, "aten::linear"} <= inside, (rank, sorted(n for n in inside if n.startswith("c10d")))

@@ -9,6 +9,7 @@ the buckets run inside backward (DDP waits for them before backward returns).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hvd_launch import launch
-from procs import check, train
+from procs import check, command, job_env, run, train
 
 from polytrain.checkpoint.store import read_model
 from polytrain.horovod.common import _import_error
@@ -25,6 +26,7 @@ from polytrain.horovod.common import _import_error
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
 STEPS = 23  # 1 epoch of ceil(1437 / 64)
+WORKER = str(Path(__file__).resolve().parent / "traced_worker.py")
 
 
 def traced(launcher: str, out: Path, sets: list[str], env: Mapping[str, str | None] | None = None,
@@ -64,11 +66,32 @@ def assert_every_rank_recorded_training(document: dict, out: Path, loop_events: 
         assert all(e["args"]["op"] == "allreduce" and e["tid"] == 1 for e in named["bucket"])
 
 
-def test_ddp_timeline_under_torchrun(tmp_path: Path) -> None:
-    document = traced("torchrun", tmp_path, ["backend=ddp", "checkpoint.every_n_steps=10"])
+#: the 2-rank torchrun runs: each one epoch with --timeline, in turn in ONE torchrun launch (`torchrun_traces`)
+TORCHRUN = {"ddp": ["backend=ddp", "checkpoint.every_n_steps=10"],
+            "horovod": ["backend=horovod"],  # the shim's (POLYTRAIN_HOROVOD_IMPL=shim for the launch)
+            "fsdp": ["backend=fsdp", "fsdp.sharding=full_shard"],
+            "zero2": ["backend=deepspeed", "deepspeed.stage=2"],
+            "zero3": ["backend=deepspeed", "deepspeed.stage=3"]}
+
+
+@pytest.fixture(scope="module")
+def torchrun_traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, Path]]:
+    """Each `TORCHRUN` run's Chrome trace and output folder, from one torchrun launch of ``traced_worker.py``
+    (torch's import and the agent once, not five times); DeepSpeed's runs where DeepSpeed imports."""
+    root = tmp_path_factory.mktemp("torchrun")
+    names = [n for n in TORCHRUN if not n.startswith("zero") or importlib.util.find_spec("deepspeed") is not None]
+    runs = [{"sets": [f"output={root / n}", "loop.epochs=1", *TORCHRUN[n]], "timeline": str(root / f"{n}.json")}
+            for n in names]
+    check(run(command("torchrun", [WORKER, json.dumps({"runs": runs})], 2),
+              env=job_env({"POLYTRAIN_HOROVOD_IMPL": "shim"}), timeout=560))
+    return {n: (json.loads((root / f"{n}.json").read_text()), root / n) for n in names}
+
+
+@pytest.mark.timeout(600)
+def test_ddp_timeline_under_torchrun(torchrun_traces: dict[str, tuple[dict, Path]]) -> None:
+    document, out = torchrun_traces["ddp"]
     assert document["otherData"]["backend"] == "ddp"
-    assert_every_rank_recorded_training(document, tmp_path,
-                                        ("data", "micro-step", "forward", "backward", "optimizer step"))
+    assert_every_rank_recorded_training(document, out, ("data", "micro-step", "forward", "backward", "optimizer step"))
     for rank, named in events(document).items():
         assert len(named["checkpoint"]) == 3  # steps 10, 20 and the final state
         backward = sorted((e["ts"], e["ts"] + e["dur"]) for e in named["backward"])
@@ -77,9 +100,10 @@ def test_ddp_timeline_under_torchrun(tmp_path: Path) -> None:
                        for start, end in backward), (rank, bucket)
 
 
-def test_horovod_backend_timeline_records_the_shims_buckets(tmp_path: Path) -> None:
-    document = traced("torchrun", tmp_path, ["backend=horovod"], env={"POLYTRAIN_HOROVOD_IMPL": "shim"})
-    assert_every_rank_recorded_training(document, tmp_path, ("forward", "backward", "synchronize gradients"))
+@pytest.mark.timeout(600)
+def test_horovod_backend_timeline_records_the_shims_buckets(torchrun_traces: dict[str, tuple[dict, Path]]) -> None:
+    document, out = torchrun_traces["horovod"]
+    assert_every_rank_recorded_training(document, out, ("forward", "backward", "synchronize gradients"))
 
 
 def test_mpi_backend_timeline_under_mpirun_torch_and_tensorflow(tmp_path: Path) -> None:
@@ -115,17 +139,16 @@ def test_tensorflow_graph_collective_backends_record_each_bucket(tmp_path: Path,
             assert any(start - 1 <= bucket["ts"] <= end + 1 for start, end in micro), bucket
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["fsdp", "zero2", "zero3"])
-def test_sharded_backends_timeline_records_the_librarys_collectives(tmp_path: Path, backend: str) -> None:
+def test_sharded_backends_timeline_records_the_librarys_collectives(torchrun_traces: dict[str, tuple[dict, Path]],
+                                                                    backend: str) -> None:
     """FSDP and DeepSpeed issue their collectives themselves: every one is on the timeline, and the
     reductions each backward pass issues (its gradient buckets) carry the model's gradients."""
-    if backend.startswith("zero"):
-        pytest.importorskip("deepspeed")
-    sets = {"fsdp": ["backend=fsdp", "fsdp.sharding=full_shard"],
-            "zero2": ["backend=deepspeed", "deepspeed.stage=2"],
-            "zero3": ["backend=deepspeed", "deepspeed.stage=3"]}[backend]
-    document = traced("torchrun", tmp_path, sets)
-    expected = STEPS * parameter_bytes(tmp_path)
+    if backend not in torchrun_traces:
+        pytest.skip("DeepSpeed is not installed")
+    document, out = torchrun_traces[backend]
+    expected = STEPS * parameter_bytes(out)
     for rank, named in events(document).items():
         assert len(named["backward"]) == STEPS
         buckets = named["bucket"]
