@@ -2,7 +2,7 @@
 batches of 2, shuffled with the job's seed, two epochs. Rank 0 writes, per epoch, the sample ids and the
 "predictions" (twice the id) it gathered, in order.
 
-Usage: python gather_worker.py BACKEND OUT.json
+Usage: python gather_worker.py BACKEND OUT.json (or `run`, from own_loop_worker.py ``--jobs``)
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ SAMPLES, BATCH = 11, 2
 
 
 def main() -> None:
-    backend, out = sys.argv[1], sys.argv[2]
+    run(sys.argv[1], sys.argv[2])
+
+
+def run(backend: str, out: str) -> None:
     dist = Distributed(backend, seed=3)
     data = TensorDataset(torch.arange(SAMPLES))
     loader = dist.setup_dataloaders(DataLoader(data, batch_size=BATCH, shuffle=True))

@@ -2,7 +2,8 @@
 Trainer's checkpoint into the digits MLP (the zoo's module, so its state has the zoo's names), then
 `Distributed.save` of what it loaded, with its step and epoch, for the Trainer to resume.
 
-Usage: python loop_trainer_worker.py BACKEND TRAINER_CHECKPOINT LOOP_ROOT OUT.json
+Usage: python loop_trainer_worker.py BACKEND TRAINER_CHECKPOINT LOOP_ROOT OUT.json (or `run`, from
+own_loop_worker.py ``--jobs``)
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from polytrain.torch import Distributed
 
 
 def main() -> None:
-    backend, given, root, out = sys.argv[1:5]
+    run(*sys.argv[1:5])
+
+
+def run(backend: str, given: str, root: str, out: str) -> None:
     with Distributed(backend) as dist:
         model = build_model("mlp", {"hidden_sizes": [32]}, DatasetInfo((64,), 10, "classification"))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
