@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from polytrain.comm.net import free_port
+from polytrain.comm.net import port_to_hold
 from polytrain.errors import LaunchError
 from polytrain.launchers import exit_board, shm_leftovers
 from polytrain.launchers.failure_report import (
@@ -323,7 +323,9 @@ class Launcher:
         ``local`` launcher picks a fresh port for every restart attempt itself.)"""
         if req.master_port is not None or not self.picks_local_port or not is_single_local_host(req):
             return req
-        return dataclasses.replace(req, master_port=free_port(""))
+        # below the ephemeral range, with a port per rank after it free too (tf-multiworker listens on master_port + 1
+        # + local rank): an outgoing connection's local end cannot take them between now and the start
+        return dataclasses.replace(req, master_port=port_to_hold("", count=1 + req.nproc))
 
 
 class CommandLauncher(Launcher):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -26,9 +25,13 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A master port for a test job: below the kernel's ephemeral range, with the 8 after it free too
+    (tf-multiworker's workers listen on ``master_port + 1 + local rank``): a port the kernel picked, as a bind
+    to port 0 gives, could be taken by the local end of any outgoing connection before the job binds it or the
+    ones after it ("Could not start gRPC server")."""
+    from polytrain.comm.net import port_to_hold
+
+    return port_to_hold(count=9)
 
 
 def loopback_env(**extra: str) -> dict[str, str]:

@@ -44,6 +44,17 @@ def test_a_port_to_hold_is_below_the_ephemeral_range_free_and_not_taken(tmp_path
     assert ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
 
 
+def test_a_block_of_ports_to_hold_is_free_in_a_row_and_misses_the_taken(monkeypatch) -> None:
+    """tf-multiworker's workers listen on master_port + 1 + local rank: the launcher holds the whole block."""
+    low, _ = ephemeral_range()
+    monkeypatch.setattr("polytrain.comm.net.random.sample", lambda population, k: [low - 5, low - 9])
+    monkeypatch.setattr("polytrain.comm.net._bindable", lambda host, port: port != low - 3)  # low - 3 is bound
+    assert port_to_hold(count=4) == low - 9  # low-5..low-2 holds the bound port
+    assert port_to_hold(count=2) == low - 5
+    monkeypatch.setattr("polytrain.comm.net.free_port", lambda host: 1)
+    assert port_to_hold(count=4, taken={low - 7}) == 1  # a taken port inside the block rules it out: none left
+
+
 def test_free_port_skips_a_taken_port() -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

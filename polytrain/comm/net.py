@@ -38,22 +38,29 @@ def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
         return 32768, 60999
 
 
-def port_to_hold(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset()) -> int:
+def port_to_hold(host: str = "127.0.0.1", taken: set[int] | frozenset[int] = frozenset(), count: int = 1) -> int:
     """A free port for a listener that starts later: below the kernel's ephemeral range, so the local end
-    of an outgoing connection (gloo opens many) cannot take it meanwhile, as it can a `free_port`. Falls
-    back to `free_port` when no such port is free."""
+    of an outgoing connection (gloo opens many) cannot take it meanwhile, as it can a `free_port`. With
+    ``count``, the first of that many free ports in a row (a master port and the ports derived from it, as
+    tf-multiworker's ``master_port + 1 + local rank``). Falls back to `free_port` when none is free."""
     low, _ = ephemeral_range()
     first = max(1024, low - 12000)
-    candidates = [port for port in random.sample(range(first, low), min(200, max(0, low - first)))
-                  if port not in taken]
+    candidates = [port for port in random.sample(range(first, max(first, low - count + 1)),
+                                                 min(200, max(0, low - count + 1 - first)))
+                  if not taken.intersection(range(port, port + count))]
     for port in candidates:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, port))
+        if all(_bindable(host, p) for p in range(port, port + count)):
             return port
-        except OSError:
-            continue
     return free_port(host)
+
+
+def _bindable(host: str, port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, port))
+        return True
+    except OSError:
+        return False
 
 
 def is_loopback(host: str) -> bool:

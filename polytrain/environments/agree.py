@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from polytrain.comm.net import address_for_peers, free_port
+from polytrain.comm.net import address_for_peers, port_to_hold
 from polytrain.environments.detect import by_launcher
 from polytrain.errors import BackendUnavailableError, EnvironmentDetectionError
 from polytrain.world import World
@@ -44,14 +44,17 @@ def ensure_master(world: World) -> World:
     return _agree_over_mpi(world)
 
 
-def _port_at(addr: str) -> int:
-    """A port free at ``addr``, the address rank 0's store will listen on; where this host cannot bind it
-    (a MASTER_ADDR naming another host, or a name for this one that resolves elsewhere), a port free on
-    every interface. The probe closes at once: nothing stays listening."""
+def _port_at(addr: str, count: int) -> int:
+    """A port free at ``addr``, the address rank 0's store will listen on, with the ``count - 1`` after it free
+    too (tf-multiworker's workers listen on ``master_port + 1 + local rank``), below the ephemeral range
+    (`port_to_hold`); where this host cannot bind it (a MASTER_ADDR naming another host, or a name for this
+    one that resolves elsewhere), a port free on every interface. The probe closes at once: nothing stays
+    listening."""
     try:
-        return free_port(addr)
+        socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)
+        return port_to_hold(addr, count=count)
     except OSError:
-        return free_port("")
+        return port_to_hold("", count=count)
 
 
 def _agree_over_mpi(world: World, strict: bool = True) -> World:
@@ -74,7 +77,7 @@ def _agree_over_mpi(world: World, strict: bool = True) -> World:
     if world.rank == 0:
         try:
             addr = world.master_addr or address_for_peers(hosts)
-            port = world.master_port or _port_at(addr)
+            port = world.master_port or _port_at(addr, 1 + world.local_size)
             choice = ("ok", addr, port)
         except OSError as exc:  # tell the other ranks instead of leaving them in bcast
             choice = ("error", f"rank 0 could not pick a master address/port: {exc}", 0)

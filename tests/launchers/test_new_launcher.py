@@ -98,7 +98,7 @@ def test_the_row_alone_makes_it_a_launch_choice_with_its_batch_script_flag(capsy
 def test_the_row_alone_gives_dispatch_the_command_port_and_install_hint(monkeypatch):
     monkeypatch.setattr(registry, "LAUNCHERS", (*registry.LAUNCHERS, ToyrunLauncher))
     monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.setattr(base, "free_port", lambda host="": 40123)
+    monkeypatch.setattr(base, "port_to_hold", lambda host="", count=1: 40123)
     req = LaunchRequest(launcher="toyrun", nproc=2, program=(PY, "w.py"))
     assert isinstance(dispatch.get_launcher("toyrun"), ToyrunLauncher)
     assert dispatch.with_master_port(req).master_port == 40123

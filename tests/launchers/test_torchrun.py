@@ -53,7 +53,7 @@ def test_builder_is_pure_and_the_port_is_chosen_once_before_it(capsys, monkeypat
     assert dispatch.with_master_port(chosen) == chosen  # a given port is kept
     assert dispatch.with_master_port(req(master_port=None, hosts=[("n1", 1), ("n2", 1)])).master_port is None
 
-    monkeypatch.setattr(base, "free_port", lambda host="": 40123)
+    monkeypatch.setattr(base, "port_to_hold", lambda host="", count=1: 40123)
     launchers.run(bare, dry_run=True)
     assert "--rdzv_endpoint=127.0.0.1:40123" in capsys.readouterr().out
     started = []
