@@ -22,12 +22,24 @@ from polytrain.torch.errors import OwnLoopError
 
 @dataclass(frozen=True)
 class BatchPlace:
-    """Where the current batch of a sharded loader sits: ``total`` samples in the set (None: the sampler drops
-    the tail, so there are no copies), ``world`` ranks, this rank's first sample of the batch is its ``start``-th."""
+    """Where the current batch of a sharded loader sits in its pass over the data: this rank's rows are places
+    ``base + rank + j·world`` (j = 0, 1, ...) of the pass's order, and places from ``total`` on are the copies that
+    even out the ranks' shares (None: there are none, the sampler drops the tail). ``weight``: what `backward`
+    multiplies this rank's loss by so that the ranks' average is the mean over the step's samples — 1 unless the
+    ranks' shares of a step differ (a pass at a world size the global batch does not divide, after an elastic
+    recovery): then ``rows · world / step samples`` (0 for a rank holding only a copy). ``size``: the step's samples when
+    the world does not divide the global batch (a rank's places from it on are copies); None otherwise."""
 
     total: int | None
     world: int
-    start: int
+    base: int
+    weight: float = 1.0
+    size: int | None = None
+
+    def keeps(self, rank: int, row: int) -> bool:
+        """Whether ``rank``'s ``row`` of this batch is a sample (not a copy)."""
+        place = rank + row * self.world
+        return (self.total is None or self.base + place < self.total) and (self.size is None or place < self.size)
 
 
 class Loading:
@@ -38,26 +50,123 @@ class Loading:
         self.loaders: list[EpochLoader] = []  # every loader made (a checkpoint's load sets their epoch)
 
 
+def rest_plan(n: int, global_batch: int, world: int, rank: int,
+              drop_last: bool) -> list[tuple[list[int], int, float, int]]:
+    """This rank's batches over ``n`` samples still to use in a pass, each step taking the next ``global_batch``
+    of them, rank r every world-th from the step's r-th: (places, the step's first place, weight) per batch.
+    When ``world`` divides the global batch the places run past ``n`` as `DistributedSampler` pads (copies, so
+    every share is equal, weight 1); else the shares differ by one and each rank's loss is weighted by its share
+    (a rank left without a sample in a short last step holds one copy, weighted 0). ``drop_last``: a short last
+    step is dropped. Per batch: (places, the step's first place, weight, the step's length)."""
+    even = global_batch % world == 0
+    padded = -(-n // world) * world if even and not drop_last else n
+    batches = []
+    for base in range(0, padded, global_batch):
+        length = min(global_batch, padded - base)
+        if drop_last and length < global_batch:
+            break
+        mine = list(range(base + rank, base + length, world))
+        count = len(mine)
+        batches.append((mine or [base], base, count * world / length, length))
+    return batches
+
+
 class EpochLoader:
     """A loader whose sampler moves to the next epoch at each pass (``set_epoch``), as DDP scripts do by hand,
-    and that tells `Loading` where each batch it yields sits."""
+    and that tells `Loading` where each batch it yields sits.
 
-    def __init__(self, loader: torch.utils.data.DataLoader, loading: Loading) -> None:
-        self.loader, self.loading, self.epoch = loader, loading, 0
+    It keeps the job's global batch (the first shard count × the loader's batch size) and knows where a pass
+    stands (`position`: its epoch and how many samples of its order the batches yielded so far cover), so that an
+    elastic recovery can re-shard it for a new world (`reshard`) and go on with the rest of a pass exactly
+    (`go_on`): every sample of the epoch once, each step still ``global_batch`` samples. A pass that starts at an
+    epoch's beginning on a world size dividing the global batch is the `DistributedSampler` pass it always was."""
+
+    def __init__(self, source: Any, shard: Any, seed: int, loading: Loading) -> None:
+        from torch.utils.data import RandomSampler
+
+        self.source, self.seed, self.loading = source, seed, loading
+        self.shuffle = isinstance(source.sampler, RandomSampler)
+        self.global_batch = source.batch_size * shard.count
+        self.epoch = 0
+        self.open: tuple[int, int] | None = None  # (epoch, samples covered) of the pass under way
+        self._pending: tuple[int, int] | None = None  # the pass the next iteration goes on with
+        self.reshard(shard)
+
+    def reshard(self, shard: Any) -> None:
+        """Read shard ``shard.index`` of ``shard.count`` from here on, at the same global batch."""
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        source = self.source
+        self.shard = shard
+        per = self.global_batch // shard.count if self.global_batch % shard.count == 0 else source.batch_size
+        sampler = DistributedSampler(source.dataset, num_replicas=shard.count, rank=shard.index,
+                                     shuffle=self.shuffle, seed=self.seed, drop_last=source.drop_last)
+        self.loader = DataLoader(source.dataset, batch_size=per, sampler=sampler, drop_last=source.drop_last,
+                                 **self._loading_options())
+
+    def _loading_options(self) -> dict[str, Any]:
+        source = self.source
+        return {"num_workers": source.num_workers, "collate_fn": source.collate_fn, "pin_memory": source.pin_memory}
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, samples of its order covered): where the next batch of this loader comes from."""
+        return self.open or self._pending or (self.epoch, 0)
+
+    def go_on(self, epoch: int, covered: int) -> None:
+        """The next iteration is epoch ``epoch`` from its ``covered``-th sample (a `position`)."""
+        self.epoch, self.open = epoch, None
+        self._pending = (epoch, covered) if covered else None
 
     def __iter__(self) -> Iterator[Any]:
+        epoch, start = self._pending or (self.epoch, 0)
+        self._pending, self.epoch = None, epoch + 1
+        standard = start == 0 and self.global_batch % self.shard.count == 0
+        try:
+            for batch, place, covered in (self._standard(epoch) if standard else self._rest(epoch, start)):
+                self.open, self.loading.place = (epoch, covered), place
+                yield batch
+        finally:  # ended, or left (a break, an error): the next pass is the next epoch's
+            self.open = self.loading.place = None
+
+    def _standard(self, epoch: int) -> Iterator[tuple[Any, BatchPlace, int]]:
         sampler = self.loader.sampler
-        sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        total = None if sampler.drop_last else len(sampler.dataset)
-        size = self.loader.batch_size
+        sampler.set_epoch(epoch)
+        n = len(sampler.dataset)
+        total = None if sampler.drop_last else n
+        step = self.loader.batch_size * sampler.num_replicas
         for i, batch in enumerate(self.loader):
-            self.loading.place = BatchPlace(total, sampler.num_replicas, i * size)
-            yield batch
-        self.loading.place = None
+            yield batch, BatchPlace(total, sampler.num_replicas, i * step), min((i + 1) * step, n)
+
+    def _order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s order of the whole set, as every rank's `DistributedSampler` draws it."""
+        from torch.utils.data.distributed import DistributedSampler
+
+        whole = DistributedSampler(self.source.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        whole.set_epoch(epoch)
+        return list(whole)
+
+    def _rest(self, epoch: int, start: int) -> Iterator[tuple[Any, BatchPlace, int]]:
+        from torch.utils.data import DataLoader
+
+        rest = self._order(epoch)[start:]
+        if not rest:
+            return
+        n, world = len(rest), self.shard.count
+        plan = rest_plan(n, self.global_batch, world, self.shard.index, self.source.drop_last)
+        batches = [[rest[p % n] for p in places] for places, _, _, _ in plan]
+        loader = DataLoader(self.source.dataset, batch_sampler=batches, **self._loading_options())
+        uneven = self.global_batch % world != 0
+        for batch, (_, base, weight, length) in zip(loader, plan):
+            place = BatchPlace(n, world, base, weight, length if uneven else None)
+            yield batch, place, start + min(base + self.global_batch, n)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        epoch, start = self._pending or (self.epoch, 0)
+        if start == 0 and self.global_batch % self.shard.count == 0:
+            return len(self.loader)
+        n = len(self.source.dataset) - start
+        return len(rest_plan(max(n, 0), self.global_batch, self.shard.count, self.shard.index, self.source.drop_last))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
@@ -65,20 +174,14 @@ class EpochLoader:
 
 def sharded(loader: Any, shard: Any, seed: int, loading: Loading) -> EpochLoader:
     """``loader`` re-made to read shard ``shard.index`` of ``shard.count``."""
-    from torch.utils.data import DataLoader, RandomSampler
-    from torch.utils.data.distributed import DistributedSampler
+    from torch.utils.data import DataLoader
 
     if not isinstance(loader, DataLoader):
         raise OwnLoopError(f"setup_dataloaders: expected torch DataLoaders, got {type(loader).__name__}")
     if loader.batch_size is None:
         raise OwnLoopError("setup_dataloaders: a loader with a batch_sampler of its own cannot be sharded; "
                            "give it batch_size and shuffle")
-    sampler = DistributedSampler(loader.dataset, num_replicas=shard.count, rank=shard.index,
-                                 shuffle=isinstance(loader.sampler, RandomSampler), seed=seed,
-                                 drop_last=loader.drop_last)
-    made = EpochLoader(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
-                                  num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                                  pin_memory=loader.pin_memory, drop_last=loader.drop_last), loading)
+    made = EpochLoader(loader, shard, seed, loading)
     loading.loaders.append(made)
     return made
 
@@ -90,7 +193,7 @@ def kept_rows(place: BatchPlace | None, counts: list[int]) -> list[tuple[int, in
     if place is None:
         return [(rank, row) for rank, count in enumerate(counts) for row in range(count)]
     return [(rank, row) for row in range(max(counts, default=0)) for rank in range(place.world)
-            if row < counts[rank] and (place.total is None or rank + (place.start + row) * place.world < place.total)]
+            if row < counts[rank] and place.keeps(rank, row)]
 
 
 def gather(data: Any, backend: Any, world: Any, place: BatchPlace | None) -> Any:
