@@ -49,16 +49,17 @@ def form(backend: Any) -> bool:
     return True
 
 
-def reform(backend: Any) -> Assignment:
+def reform(backend: Any, final: bool = False) -> Assignment:
     """Leave this round and join the next one: release the group (every holder already dropped), tell the driver,
     wait for its next membership version, form that group. A worker the driver left out exits 0 (SystemExit);
-    a job the driver ended raises its line (exit 0 when it ended well)."""
+    a job the driver ended raises its line (exit 0 when it ended well). ``final``: a final round is formed too
+    (the caller writes its commit there, `Assignment.final`), else it is the job's end."""
     from polytrain.adapters.torch import reform as groups
 
     membership, old = backend.membership, backend.assignment
     backend._owns_group = False
     try:
-        assignment = groups.next_round(membership, old.version)
+        assignment = groups.next_round(membership, old.version, final=final)
     except JobEnded as ended:
         if ended.ok:
             raise SystemExit(0) from None
@@ -69,7 +70,7 @@ def reform(backend: Any) -> Assignment:
     return assignment
 
 
-def regroup(framework: Any, backend: Any) -> Assignment:
+def regroup(framework: Any, backend: Any, final: bool = False) -> Assignment:
     """A torch framework's reset after a lost peer: its wrapper over the old group dropped, the group re-formed
     at the driver's next membership version (`reform`), the same module and optimizer wrapped again over it.
     The caller loads its commit afterwards (DDP's wrapping broadcasts rank 0's weights, which it then replaces)."""
@@ -77,7 +78,7 @@ def regroup(framework: Any, backend: Any) -> Assignment:
     framework.model = None
     optimizer.zero_grad(set_to_none=True)  # a failed step's partial gradients
     backend.teardown()  # the wrapper lets go of the group (DDP's reducer holds it), and the group is destroyed
-    assignment = reform(backend)
+    assignment = reform(backend, final)
     framework.model, framework.optimizer = backend.wrap(module, optimizer)
     if backend.spec.compile.enabled:
         backend.compile_model(framework.model, backend.spec.compile.mode)

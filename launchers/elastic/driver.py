@@ -6,8 +6,10 @@ when every worker of version N has recorded (left: READY; exited 0: SUCCESS; els
 Horovod's order: a SUCCESS ends the job; all FAILURE ends it failed; hosts with a FAILURE are blacklisted
 (their other workers killed); every host blacklisted ends it; past ``--reset-limit`` ends it; else wait (up
 to ``--elastic-timeout``) for ``--min-np`` slots and publish version N+1 (survivors keep their order, new
-hosts after), starting workers for new slots. The end is one line on stderr and the ``end`` key, and
-nothing is left running.
+hosts after), starting workers for new slots. When the slots do not come, the survivors get a final round
+(version N+1 with ``final``: the end's line) in which they only write their last commit to disk
+(`polytrain.comm.membership.Assignment.final`); the job ends failed when they exit. The end is one line on
+stderr and the ``end`` key, and nothing is left running.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class Driver:
         self.resets = 0
         self.hosts_ts = 0.0
         self.next_discovery = 0.0
+        self.final: str | None = None  # the end's line, once a final round is published
 
     # -- hosts -------------------------------------------------------------------------------------------
     def available(self) -> list[str]:
@@ -140,11 +143,14 @@ class Driver:
         self.hosts_ts = max(time.time(), self.hosts_ts + 0.001)
         self.keys.set("hosts", json.dumps({"ts": self.hosts_ts, "flags": flags}))
 
-    def wait_for_slots(self, needed: int, what: Callable[[], str]) -> None:
-        """Discover until ``needed`` slots are available; the job fails after ``--elastic-timeout``."""
+    def wait_for_slots(self, needed: int, what: Callable[[], str], survivors: bool = False) -> None:
+        """Discover until ``needed`` slots are available; after ``--elastic-timeout`` the job fails, with a final
+        round first where ``survivors`` wait for one (`final_round`)."""
         deadline = time.monotonic() + self.options.elastic_timeout_s
         while self.count_available() < needed:
             if time.monotonic() >= deadline:
+                if survivors and self.final_round(what()):
+                    return
                 self.end(False, what())
             self.reap()
             time.sleep(min(self.interval_s, TICK_S * 4))
@@ -173,6 +179,18 @@ class Driver:
                TIMEOUT_VARIABLE: f"{self.options.elastic_timeout_s:g}"}
         self.workers[slot.key] = self.start(slot, env)
 
+    def final_round(self, line: str) -> bool:
+        """Publish a last round of the workers that left the failed one, marked final (``line``), so that they
+        write their last commit; False when the next slots are not all theirs (nobody is started for it)."""
+        slots = self.next_slots()
+        if not slots or any(self.recorded.get(s.key, ("", 0))[0] != "ready" or s.key not in self.workers
+                            for s in slots):
+            return False
+        say(f"{line}: a final round of the {len(slots)} left, to write their last commit")
+        self.final = line
+        self.publish(slots)
+        return True
+
     def publish(self, slots: Sequence[hostrules.Slot]) -> None:
         self.version += 1
         previous = set(self.slots)
@@ -180,8 +198,10 @@ class Driver:
         for key in previous - set(self.slots):  # removed: it exits 0 by itself when it reads the version
             if key in self.workers:
                 self.gone.append(self.workers.pop(key))
-        self.keys.set(version_key(self.version),
-                      json.dumps({"size": len(slots), "slots": {s.key: s.published() for s in slots}}))
+        published: dict[str, Any] = {"size": len(slots), "slots": {s.key: s.published() for s in slots}}
+        if self.final is not None:
+            published["final"] = self.final
+        self.keys.set(version_key(self.version), json.dumps(published))
         self.keys.set("version", str(self.version))
         self.recorded = {}
         self.first_record = 0.0
@@ -217,6 +237,8 @@ class Driver:
         for key in self.slots:
             worker = self.workers.get(key)
             limit = self.options.elastic_timeout_s if key in self.fresh else self.straggler_s
+            if self.final is not None:  # a final round's workers write a checkpoint before they exit
+                limit = max(limit, self.options.elastic_timeout_s)
             if key in self.recorded or worker is None or worker.killed or waited < limit or worker.poll() is not None:
                 continue
             say(f"{worker.name} did not leave round {self.version} within {limit:g} s after its peers: killed")
@@ -258,6 +280,8 @@ class Driver:
         return ", ".join(f"{h} ({why[h]})" for h in lost) or "none"
 
     def end_round(self) -> None:
+        if self.final is not None:  # the final round's workers wrote their commit (or could not): the end
+            self.end(False, self.final)
         states = self.recorded
         failures = [(k, c) for k, (s, c) in states.items() if s == "failure"]
         if any(s == "success" for s, _ in states.values()):
@@ -286,7 +310,7 @@ class Driver:
         self.resets += 1
         self.wait_for_slots(self.options.min_np, lambda: (
             f"min-np {self.options.min_np} not met within --elastic-timeout {self.options.elastic_timeout_s:g} s: "
-            f"{self.count_available()} slots available; lost {self.lost_hosts()}"))
+            f"{self.count_available()} slots available; lost {self.lost_hosts()}"), survivors=True)
         self.publish(self.next_slots())
 
     def run(self) -> int:

@@ -14,6 +14,7 @@ The API every client (``hvd.elastic``, the Trainer, the own loops) uses::
     m.leave(a.version)                     # tell the driver this worker left round N
     a = m.next(a.version)                  # blocks until round N+1; None: removed, exit 0
                                            # raises JobEnded when the driver ended the job
+                                           # (final=True: a final round is returned, a.final its line)
     m.hosts_update()                       # (ts, flags) of the latest host change, or None
 
 One `Membership` per thread: its store connection must not be shared between threads (a thread that watches
@@ -83,6 +84,9 @@ class Assignment:
     cross_rank: int
     cross_size: int
     hostname: str
+    #: set in a final round: the driver could not find ``--min-np`` slots within ``--elastic-timeout`` and formed
+    #: this last, smaller round only so that the survivors write their last commit to disk; the job's end line
+    final: str | None = None
 
     def horovod_env(self) -> dict[str, str]:
         """The ``HOROVOD_*`` slot variables this assignment stands for."""
@@ -98,7 +102,7 @@ def assignment_from(version: int, slot: str, published: Mapping[str, Any]) -> As
     info = published.get("slots", {}).get(slot)
     if info is None:
         return None
-    return Assignment(version=version, slot=slot, size=int(published["size"]),
+    return Assignment(version=version, slot=slot, size=int(published["size"]), final=published.get("final"),
                       **{k: (str(info[k]) if k == "hostname" else int(info[k]))
                          for k in ("rank", "local_rank", "local_size", "cross_rank", "cross_size", "hostname")})
 
@@ -168,15 +172,20 @@ class Membership:
         end = self._get("end")
         return JobEnded(bool(end["ok"]), str(end["line"]))
 
-    def next(self, version: int, timeout_s: float | None = None) -> Assignment | None:
+    def next(self, version: int, timeout_s: float | None = None, final: bool = False) -> Assignment | None:
         """Block until round ``version + 1`` is published; this worker's assignment in it, None when it is not in
         it (removed: exit 0). Raises `JobEnded` when the driver ends the job first, TimeoutError after
-        ``timeout_s`` (default: none; a driver that went away breaks the store connection instead)."""
+        ``timeout_s`` (default: none; a driver that went away breaks the store connection instead). A final round
+        (`Assignment.final`) is the job's end (`JobEnded`) unless ``final``: a client that writes its last commit
+        to disk there."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         key = version_key(version + 1)
         while True:
             if self._has(key):
-                return self.assignment(version + 1)
+                following = self.assignment(version + 1)
+                if following is not None and following.final and not final:
+                    raise JobEnded(False, following.final)
+                return following
             ended = self.ended()
             if ended is not None:
                 raise ended

@@ -14,6 +14,9 @@ driver's store (`polytrain.adapters.torch.elastic_group`), and the Trainer runs 
   committed position at the new world size. The global batch stays what it was (``Steps.global_batch``), so
   each rank's share grows and the data plan (`polytrain.data.epoch_plan`) uses every remaining sample of the
   epoch exactly once at the new size.
+* **Too few ranks.** When the driver cannot find ``--min-np`` slots within ``--elastic-timeout`` it forms a
+  final round of the survivors (`polytrain.comm.membership.Assignment.final`): they load the commit, write it as a
+  normal checkpoint (the run's ``checkpoint.dir``) and end with one line naming it and the driver's reason.
 
 Replicated layouts only (ddp, and horovod on polytrain's implementation): every rank's commit is the whole state. Sharded layouts, the own loop and
 TensorFlow are refused in one line (docs/DESIGN.md, "Elastic training in place", says what is left).
@@ -26,7 +29,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from polytrain.errors import SpecError
+from polytrain.errors import SpecError, TrainingFailure
 from polytrain.train.state import Position, TrainResult
 
 #: the backends whose state every rank holds whole, so that one rank's commit is enough to go on
@@ -115,7 +118,7 @@ class ElasticRun:
         t = self.trainer
         before = t.world.size
         t.activity.set("re-forming the group after a lost peer")
-        assignment = elastic_group.regroup(t.framework, t.backend)
+        assignment = elastic_group.regroup(t.framework, t.backend, final=True)
         world = t.world = t.checkpoints.world = t.backend.world
         t.steps = t.checkpoints.steps = dataclasses.replace(t.steps, shard=t.backend.data_shard)
         t.hooks.callbacks.run = dataclasses.replace(t.hooks.callbacks.run, rank=world.rank, world_size=world.size,
@@ -123,6 +126,12 @@ class ElasticRun:
         self.load(self.commit)
         self.recoveries += 1
         pos = self.commit.position
+        if assignment.final:  # too few ranks to go on: the commit becomes a checkpoint, so a restart loses nothing
+            t.activity.set(f"writing the last commit (step {pos.step}) as a checkpoint")
+            path = t.checkpoints.save(dataclasses.replace(pos))
+            t.checkpoints.settle()
+            raise TrainingFailure(f"elastic: {assignment.final}; the last commit (step {pos.step}) is saved as "
+                                  f"{path}: resume from it with --resume auto")
         t.progress.line(f"elastic: a peer was lost ({cause}); re-formed from {before} to {world.size} ranks "
                         f"(membership version {assignment.version}), going on from the commit at step {pos.step}")
         t.log.write("elastic_recovery", step=pos.step, epoch=pos.epoch, world_size=world.size,

@@ -76,6 +76,23 @@ def test_job_end_releases_a_waiting_worker(driver_store) -> None:
     assert (ended.value.ok, ended.value.code, ended.value.line) == (False, 1, "reset limit 1 exceeded")
 
 
+def test_a_final_round_is_the_end_unless_the_worker_writes_its_commit_there(driver_store) -> None:
+    """A final round (too few slots: only for the survivors to write their last commit) ends the job for a client
+    that cannot write one (``hvd.elastic``: `JobEnded`, its line), and is a round for one that can (``final``)."""
+    store, keys = driver_store
+    _publish(keys, 0, SLOTS)
+    line = "min-np 3 not met within --elastic-timeout 1 s: 1 slots available; lost localhost (blacklisted)"
+    keys.set("v/1", json.dumps({"size": 1, "final": line,
+                                "slots": {"127.0.0.1:0": dict(SLOTS["127.0.0.1:0"], rank=0, cross_rank=0)}}))
+    worker = _client(store, "127.0.0.1:0")
+    with pytest.raises(JobEnded) as ended:
+        worker.next(0, timeout_s=10)
+    assert (ended.value.ok, ended.value.line) == (False, line)
+    got = worker.next(0, timeout_s=10, final=True)
+    assert (got.version, got.rank, got.size, got.final) == (1, 0, 1, line)
+    assert worker.assignment(0).final is None
+
+
 def test_hosts_update(driver_store) -> None:
     store, keys = driver_store
     worker = _client(store, "localhost:0")

@@ -24,14 +24,14 @@ KILL_STEP, KILL_RANK, GLOBAL_BATCH = 5, 1, 96
 HOSTS = "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
 
 
-def _spec(tmp_path: Path, out: Path, elastic: bool, backend: str = "ddp") -> Path:
+def _spec(tmp_path: Path, out: Path, elastic: bool, backend: str = "ddp", min_np: int = 2) -> Path:
     spec = {"framework": "torch", "backend": backend, "model": {"name": "elastic_parts:model"},
             "data": {"name": "digits", "global_batch_size": GLOBAL_BATCH}, "loop": {"epochs": 1},
             "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "callbacks": ["elastic_parts:Samples"],
             "output": str(out), "reliability": {"collective_timeout_s": 60}}
     if elastic:
-        spec["elastic"] = {"min_np": 2, "max_np": 3, "commit_every_n_steps": 2}
-    path = tmp_path / f"{out.name}.yaml"
+        spec["elastic"] = {"min_np": min_np, "max_np": 3, "commit_every_n_steps": 2}
+    path = tmp_path / f"{out.name}{'-elastic' if elastic else ''}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -66,12 +66,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ref
 
 
+def _env() -> dict[str, str]:
+    return loopback_env(PYTHONPATH=str(HERE), ELASTIC_TEST_KILL=f"{KILL_STEP}:{KILL_RANK}",
+                        POLYTRAIN_ELASTIC_DISCOVERY_INTERVAL="0.2", HOROVOD_GLOO_TIMEOUT_SECONDS="60",
+                        POLYTRAIN_HOROVOD_IMPL="shim")
+
+
+def _same_weights(out: Path, ref: Path) -> None:
+    mine, theirs = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert sorted(mine) == sorted(theirs)
+    for name in mine:
+        np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_a_killed_rank_costs_no_work(tmp_path: Path, reference: Path, backend: str) -> None:
-    env = loopback_env(PYTHONPATH=str(HERE), ELASTIC_TEST_KILL=f"{KILL_STEP}:{KILL_RANK}",
-                       POLYTRAIN_ELASTIC_DISCOVERY_INTERVAL="0.2", HOROVOD_GLOO_TIMEOUT_SECONDS="60",
-                       POLYTRAIN_HOROVOD_IMPL="shim")
+    env = _env()
     out = tmp_path / "elastic"
     result = run([*__import__("procs").PYTHON, "-m", "polytrain.cli", "launch", "--launcher", "local", "--elastic",
                   "-np", "3", "--min-np", "2", "-H", HOSTS, str(_spec(tmp_path, out, True, backend))], env=env,
@@ -101,7 +112,24 @@ def test_a_killed_rank_costs_no_work(tmp_path: Path, reference: Path, backend: s
     assert elastic_rows == ref_rows
     assert sum(elastic_rows.values()) == sum(len(r["rows"]) for s in steps for r in ref_final[s])
     assert sum(elastic_rows.values()) >= GLOBAL_BATCH * (len(steps) - 1)
-    mine, theirs = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
-    assert sorted(mine) == sorted(theirs)
-    for name in mine:
-        np.testing.assert_allclose(mine[name], theirs[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    _same_weights(out, ref)
+
+
+@pytest.mark.timeout(600)
+def test_too_few_ranks_leave_the_last_commit_as_a_checkpoint(tmp_path: Path, reference: Path) -> None:
+    """``min_np: 3``: after the kill the driver finds 2 slots, waits ``--elastic-timeout`` for a third, then forms a
+    final round of the 2 survivors, which write their commit of step 4 as a checkpoint and end the job in one line
+    naming it. Resumed on 2 ranks, it ends on the weights of the run that went from 3 to 2 ranks at step 4."""
+    out = tmp_path / "elastic"
+    result = run([*__import__("procs").PYTHON, "-m", "polytrain.cli", "launch", "--launcher", "local", "--elastic",
+                  "-np", "3", "--elastic-timeout", "2", "-H", HOSTS, str(_spec(tmp_path, out, True, min_np=3))],
+                 env=_env(), timeout=400)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.left_behind == []
+    assert "polytrain elastic: min-np 3 not met within --elastic-timeout 2 s: 2 slots available" in result.stderr
+    saved = out / "checkpoints" / "step-00000004"
+    assert f"the last commit (step {KILL_STEP - 1}) is saved as {saved}" in result.stderr, result.stderr[-3000:]
+    assert json.loads((saved / "manifest.json").read_text())["world_size"] == 2
+    check(train(out, [], spec=_spec(tmp_path, out, False), nproc=2, resume="auto", env={"PYTHONPATH": str(HERE)},
+                timeout=300))
+    _same_weights(out, reference)

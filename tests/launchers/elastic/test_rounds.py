@@ -114,12 +114,17 @@ def test_survivors_renumbered_then_min_np_not_met(tmp_path, capsys):
         job.discovery.hosts = {"a": 1}  # c goes away: both workers were told, both leave the round
         job.keys.set("left/1/a:0", "1")
         job.keys.set("left/1/c:0", "1")
+        final.update(job.wait_version(2))  # a final round of the one left, to write its last commit
+        (tmp_path / "a:0.go").touch()  # ... which it did, and exited
 
+    final: dict = {}
     in_thread(workers)
     assert job.run() == 1
     line = job.end()["line"]
     assert line.startswith("min-np 2 not met within --elastic-timeout 0.3 s: 1 slots available; lost ")
     assert line.endswith("lost c (no longer discovered)")  # b was lost in the round before
+    assert final["final"] == line and final["size"] == 1 and list(final["slots"]) == ["a:0"]
+    assert "a final round of the 1 left, to write their last commit" in capsys.readouterr().err
     assert len(job.started) == 3  # nobody new was started
 
 
