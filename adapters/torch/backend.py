@@ -124,6 +124,12 @@ class TorchBackend:
     #: an elastic worker's client of the driver's store, and its assignment (`elastic_group`); else None
     membership: Any = None
 
+    @property
+    def in_place_refusal(self) -> str | None:
+        """Sharded or partitioned state (and any backend that does not say otherwise) cannot go on in place yet."""
+        return (f"backend: {self.name!r} cannot recover in place under polytrain's elastic driver yet; use ddp or "
+                "horovod")
+
     def __init__(self, spec: TrainSpec, world: World, *, timeline: Timeline = NULL,
                  activity: Activity | None = None) -> None:
         self.spec = spec

@@ -57,6 +57,10 @@ class TorchBackendContract(Backend, Protocol):
     #: fp16: the backend scales the loss and skips an overflowed update itself (`optimizer_step` returns whether
     #: it applied it, `loss_scale` the scale); `grad_scaler` is then not asked
     owns_loss_scaler: bool
+    #: under polytrain's elastic driver: why this backend cannot go on in place after a lost peer (one line naming
+    #: the field), or None when every rank holds the whole training state, so its own commit is enough (ddp;
+    #: horovod on polytrain's implementation): the Trainer and the own loop ask this, never the name
+    in_place_refusal: str | None
 
     # ---------------------------------------------------------------- the model
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -26,6 +26,9 @@ class DDPBackend(TorchBackend):
     name = "ddp"
     _found: torch.Tensor | None = None  # 1 once a reduced bucket held a NaN/Inf, until `grads_finite` reads it
 
+    #: every rank holds the whole model and optimizer: its own commit is enough to go on after a lost peer
+    in_place_refusal = None
+
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         self.ensure_process_group()  # one process (backend: ddp asked for explicitly): DDP still needs a group
         device_ids = [self.device.index] if self.device.type == "cuda" else None

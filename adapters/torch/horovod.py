@@ -83,6 +83,14 @@ class HorovodBackend(SyncAfterLastBackward, TorchBackend):
             return "horovod (Horovod implementation)"
         return f"horovod (polytrain implementation{', over MPI' if self.hvd.mpi_enabled() else ''})"
 
+    @property
+    def in_place_refusal(self) -> str | None:
+        """polytrain's implementation is re-formed in place (`elastic_world`); real Horovod is not."""
+        if self.impl == "horovod":
+            return ("backend: 'horovod' recovers in place on polytrain's Horovod implementation, not on real Horovod; "
+                    "set POLYTRAIN_HOROVOD_IMPL=shim")
+        return None
+
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
         hvd = self.hvd
         if not hvd.is_initialized():  # an elastic re-form (`elastic_group.regroup`): the shim on the new group

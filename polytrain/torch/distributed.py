@@ -247,16 +247,11 @@ class Distributed(LoopSession):
         """A state over the model and optimizer `setup` returned and ``values`` (``epoch=0, step=0``, a scheduler,
         ...): ``state.commit()`` keeps it in host memory; `elastic_run` goes on from the last commit after a lost
         rank. Under polytrain's elastic driver the backend must be one that recovers in place (ddp, horovod)."""
-        from polytrain.torch.elastic import RECOVERS, ElasticState, take
+        from polytrain.torch.elastic import ElasticState, take
 
         self._needs_setup("elastic_state")
-        if self._elastic:
-            if self.backend.name not in RECOVERS:
-                raise OwnLoopError(f"backend: {self.backend.name!r} cannot recover in place under polytrain's elastic "
-                                   f"driver yet; use {' or '.join(RECOVERS)}")
-            if getattr(self.backend, "impl", None) == "horovod":
-                raise OwnLoopError("backend: 'horovod' recovers in place on polytrain's Horovod implementation, not "
-                                   "on real Horovod; set POLYTRAIN_HOROVOD_IMPL=shim")
+        if self._elastic and self.backend.in_place_refusal:  # sharded state, real Horovod (the contract says)
+            raise OwnLoopError(self.backend.in_place_refusal)
         return ElasticState(values, commit=lambda kept: take(self._loop_state(), self._updates, kept),
                             model=lambda: self._model, optimizer=self._returned)
 

@@ -33,8 +33,6 @@ from polytrain.adapters.torch.framework import rng_state, set_rng_state
 from polytrain.loop.checkpoints import LoopState
 from polytrain.torch.errors import OwnLoopError
 
-#: the backends whose whole state every rank holds, so that its own commit is enough to go on
-RECOVERS = ("ddp", "horovod")
 #: the state's own attributes, which no value may be named
 RESERVED = ("model", "optimizer", "commit", "values", "last", "commits")
 

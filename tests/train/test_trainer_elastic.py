@@ -16,7 +16,7 @@ from trainer_fakes import FakeBackend, FakeJob
 from trainer_runs import BATCH, PER_EPOCH, TWO, epoch_order, fit, fit_fails, make_spec, records, sample_ids
 
 from polytrain.adapters.torch import elastic_group
-from polytrain.errors import SpecError
+from polytrain.errors import SpecError, TrainingFailure
 from polytrain.protocols import DataShard
 from polytrain.train.trainer import Trainer
 from polytrain.world import World
@@ -34,6 +34,10 @@ class DriverBackend(FakeBackend):
 
     name = "ddp"
     membership = "the driver's store"
+
+    @property
+    def in_place_refusal(self) -> str | None:  # the contract's answer of a real ddp backend, or of another's
+        return None if self.name == "ddp" else f"backend: {self.name!r} cannot recover in place (the contract)"
 
     def all_reduce(self, values: np.ndarray, op: str = "sum") -> np.ndarray:
         if self.activity is not None and self.activity.step == LOST_AT and not getattr(self, "failed", False):
@@ -58,16 +62,25 @@ class Counter:
         self.seen = state["seen"]
 
 
-def _one_rank_round(framework: Any, backend: Any) -> Any:
+def _one_rank_round(framework: Any, backend: Any, final: bool = False) -> Any:
     """The driver's next round, at one rank (what `elastic_group.regroup` leaves behind)."""
     backend.world = framework.world = World(rank=0, size=1, launcher="polytrain-elastic")
     backend.data_shard = DataShard(1, 0)
-    return types.SimpleNamespace(version=1)
+    return types.SimpleNamespace(version=1, final=None)
 
 
-def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int, failure: BaseException | None = None
-         ) -> tuple[Trainer, FakeJob, Counter]:
-    monkeypatch.setattr(elastic_group, "regroup", _one_rank_round)
+FINAL = "min-np 2 not met within --elastic-timeout 1 s: 1 slots available; lost b (blacklisted)"
+
+
+def _final_round(framework: Any, backend: Any, final: bool = False) -> Any:
+    """The driver's final round (too few slots), at one rank: taken only by a client that writes its commit."""
+    assert final
+    return types.SimpleNamespace(**{**vars(_one_rank_round(framework, backend)), "final": FINAL})
+
+
+def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int, failure: BaseException | None = None,
+         regroup: Any = _one_rank_round) -> tuple[Trainer, FakeJob, Counter]:
+    monkeypatch.setattr(elastic_group, "regroup", regroup)
     spec = make_spec(tmp_path / "out", **SHAPE, elastic={"min_np": 1, "commit_every_n_steps": every})
     job, counter = FakeJob(), Counter()
 
@@ -110,6 +123,24 @@ def test_the_weights_are_those_of_a_run_that_went_from_two_ranks_to_one_at_the_c
     _, ref_job = fit(make_spec(ref, **SHAPE), World(rank=0, size=1, launcher="polytrain-elastic"), resume="auto")
     assert job.fw.params.keys() == ref_job.fw.params.keys()
     for name, value in job.fw.params.items():
+        np.testing.assert_allclose(value, ref_job.fw.params[name], rtol=1e-6, err_msg=name)
+
+
+def test_too_few_ranks_write_the_last_commit_as_a_checkpoint(tmp_path, monkeypatch):
+    """The driver's final round: the commit of step 4 is loaded and written as a normal checkpoint, the run ends in
+    one line naming it and the driver's reason; resumed, it ends where the run that went from two ranks to one at
+    the commit does."""
+    with pytest.raises(TrainingFailure) as failed:
+        _run(tmp_path, monkeypatch, every=2, regroup=_final_round)
+    saved = tmp_path / "out" / "checkpoints" / "step-00000004"
+    assert str(failed.value) == (f"elastic: {FINAL}; the last commit (step 4) is saved as {saved}: resume from it "
+                                 "with --resume auto")
+    one = World(rank=0, size=1, launcher="polytrain-elastic")
+    _, resumed = fit(make_spec(tmp_path / "out", **SHAPE), one, resume="auto")
+    ref = tmp_path / "ref"
+    fit(make_spec(ref, **{**SHAPE, "loop": {"epochs": 1, "max_steps": 4}}, checkpoint={"every_n_steps": 4}), TWO)
+    _, ref_job = fit(make_spec(ref, **SHAPE), one, resume="auto")
+    for name, value in resumed.fw.params.items():
         np.testing.assert_allclose(value, ref_job.fw.params[name], rtol=1e-6, err_msg=name)
 
 
