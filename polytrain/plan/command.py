@@ -21,7 +21,7 @@ from polytrain.errors import SpecError
 from polytrain.plan import candidates as cand
 from polytrain.plan.activations import global_batch
 from polytrain.plan.comms import Link, compute_seconds, parse_link, predict_comms
-from polytrain.plan.memory import Precision, optimizer_state_bytes, predict_memory
+from polytrain.plan.memory import Precision, commit_bytes, optimizer_state_bytes, predict_memory
 
 DEFAULT_TFLOPS = 100.0
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -92,10 +92,12 @@ def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, ce
     best = next((r for r in rows if r["fits"]), None)
     if best is not None:
         _check_overrides(spec, best["set"])
+    commits = None if spec.elastic is None else \
+        commit_bytes(census.numel, spec.optimizer.name, spec.optimizer.momentum)
     return {"model": census.model, "parameters": census.numel, "world_size": world, "nodes": nodes,
             "device_memory": device_memory, "host_memory": host_memory, "precision": spec.precision,
             "optimizer": spec.optimizer.name, "link": asdict(link), "device_tflops": tflops, "layouts": rows,
-            "recommended": best}
+            "recommended": best, "elastic_commit_bytes": commits}
 
 
 def predict(spec: Any, census: Any, layout: Any, world: int, nodes: int = 1, link: Link | None = None,
@@ -168,6 +170,9 @@ def table(doc: dict[str, Any]) -> str:
                      f"{row['comm_seconds'] * 1e3:8.2f} "
                      f"{row['step_seconds'] * 1e3:8.2f}  "
                      f"{'yes' if row['fits'] else 'no: ' + row['reason']}")
+    if doc.get("elastic_commit_bytes") is not None:
+        lines.append(f"elastic commits: {g(doc['elastic_commit_bytes'])} of host memory per rank (two copies of the "
+                     "model and its optimizer state; ddp and horovod train in place)")
     best = doc["recommended"]
     if best is None:
         lines.append("recommended: none fits; use more ranks or devices with more memory")

@@ -318,3 +318,27 @@ def test_nvme_rows_need_a_drive_and_put_only_large_tensors_there(lm_spec, lm_cen
                             {"max_in_cpu": 0})
     assert streamed.host == big.host - 4 * n
     assert parse_link("intra=1,inter=1,drive=2").drive == 2e9
+
+
+def test_the_commits_host_bytes_are_what_a_commit_holds() -> None:
+    """With an ``elastic`` table the plan names the host memory of training in place: two commits of the model and
+    its optimizer state, each what a commit really copies (the own loop's `take`, the Trainer's content)."""
+    from polytrain.adapters.torch.models import build_model
+    from polytrain.plan.census import model_info
+    from polytrain.torch import Distributed
+    from polytrain.torch.elastic import take
+
+    spec = validation.from_dict({"framework": "torch", "model": {"name": "mlp"}, "data": {"name": "digits"},
+                                 "optimizer": {"name": "adam", "lr": 0.01}, "elastic": {"min_np": 1}})
+    doc = plan(spec, 2, 1, 80 * 2**30, Link())
+    assert "elastic commits:" in table(doc) and plan(validation.from_dict({**spec.to_dict(), "elastic": None}), 2, 1,
+                                                     80 * 2**30, Link())["elastic_commit_bytes"] is None
+    with Distributed("local") as dist:
+        net = build_model("mlp", dict(spec.model.params), model_info(spec))
+        model, optimizer = dist.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+        dist.backward(model(torch.randn(4, *model_info(spec).input_shape)).square().mean())
+        optimizer.step()
+        commit = take(dist._loop_state(), 1, {})
+    held = sum(t.nbytes for t in commit.model.values()) + sum(t.nbytes for t in commit.optimizer.values()
+                                                                if t.ndim)  # Adam's step counters: scalars
+    assert doc["elastic_commit_bytes"] == 2 * held
