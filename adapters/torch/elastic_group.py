@@ -51,23 +51,30 @@ def form(backend: Any) -> bool:
 
 def reform(backend: Any, final: bool = False) -> Assignment:
     """Leave this round and join the next one: release the group (every holder already dropped), tell the driver,
-    wait for its next membership version, form that group. A worker the driver left out exits 0 (SystemExit);
+    wait for its next membership version, form that group (a round whose group cannot form because a peer of it
+    died is left in turn, for the one after). A worker the driver left out exits 0 (SystemExit);
     a job the driver ended raises its line (exit 0 when it ended well). ``final``: a final round is formed too
     (the caller writes its commit there, `Assignment.final`), else it is the job's end."""
     from polytrain.adapters.torch import reform as groups
 
-    membership, old = backend.membership, backend.assignment
+    membership, version = backend.membership, backend.assignment.version
     backend._owns_group = False
-    try:
-        assignment = groups.next_round(membership, old.version, final=final)
-    except JobEnded as ended:
-        if ended.ok:
-            raise SystemExit(0) from None
-        raise TrainingFailure(f"the elastic driver ended the job: {ended.line}") from None
-    if assignment is None:  # removed from the job: its exit is no failure
-        raise SystemExit(0)
-    _adopt(backend, membership, assignment)
-    return assignment
+    while True:
+        try:
+            assignment = groups.next_round(membership, version, final=final)
+        except JobEnded as ended:
+            if ended.ok:
+                raise SystemExit(0) from None
+            raise TrainingFailure(f"the elastic driver ended the job: {ended.line}") from None
+        if assignment is None:  # removed from the job: its exit is no failure
+            raise SystemExit(0)
+        try:
+            _adopt(backend, membership, assignment)
+            return assignment
+        except Exception as exc:  # a peer of the new round died before its group formed: leave it for the next
+            if not groups.is_peer_loss(exc):
+                raise
+            version = assignment.version
 
 
 def regroup(framework: Any, backend: Any, final: bool = False) -> Assignment:

@@ -5,7 +5,9 @@ workers through the spec (``model.name: elastic_parts:model``, ``callbacks: [ela
 appends the rows of that step, with its step number, its world size, this process's pid and how many times
 training (re)started in it (``on_train_start``: once, then once after each recovery), to ``<output>/samples.jsonl``;
 with ``ELASTIC_TEST_KILL=STEP:RANK`` the process spawned as rank RANK (``HOROVOD_RANK``, never rewritten)
-SIGKILLs itself at the end of step STEP, once its rows are written.
+SIGKILLs itself at the end of step STEP, once its rows are written; with ``ELASTIC_TEST_KILL_AT_START=ROUND:RANK``
+the process spawned as rank RANK SIGKILLs itself when training starts for the ROUND-th time in it (after that
+many recoveries: the group is re-formed, the commit loaded, no step trained yet).
 """
 
 from __future__ import annotations
@@ -44,10 +46,14 @@ class Samples:
         self.round = -1
         step, _, rank = os.environ.get("ELASTIC_TEST_KILL", "").partition(":")
         self.kill = (int(step), int(rank)) if step else None
+        start, _, rank = os.environ.get("ELASTIC_TEST_KILL_AT_START", "").partition(":")
+        self.kill_at_start = (int(start), int(rank)) if start else None
 
     def on_train_start(self, run: Any) -> None:
         self.round += 1
         PENDING.clear()
+        if self.kill_at_start == (self.round, int(os.environ.get("HOROVOD_RANK", "-1"))):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step_end(self, run: Any, step: int, logs: Any) -> None:
         record = {"pid": os.getpid(), "round": self.round, "step": step, "size": run.world_size, "rank": run.rank,

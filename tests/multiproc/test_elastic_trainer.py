@@ -133,3 +133,33 @@ def test_too_few_ranks_leave_the_last_commit_as_a_checkpoint(tmp_path: Path, ref
     check(train(out, [], spec=_spec(tmp_path, out, False), nproc=2, resume="auto", env={"PYTHONPATH": str(HERE)},
                 timeout=300))
     _same_weights(out, reference)
+
+
+@pytest.mark.timeout(600)
+def test_a_second_rank_lost_right_after_a_recovery(tmp_path: Path, reference: Path) -> None:
+    """Spawn rank 1 dies at the end of step 5, spawn rank 2 as soon as the re-formed group starts training
+    (``min_np: 1``): rank 0's first collective at 2 ranks fails too, it rolls back to the same commit of step 4
+    again and trains the rest alone, in its own process. The same samples once each, and the weights of the 3-rank
+    checkpoint of step 4 resumed on one rank."""
+    out = tmp_path / "elastic"
+    result = run([*__import__("procs").PYTHON, "-m", "polytrain.cli", "launch", "--launcher", "local", "--elastic",
+                  "-np", "3", "-H", HOSTS, str(_spec(tmp_path, out, True, min_np=1))],
+                 env={**_env(), "ELASTIC_TEST_KILL_AT_START": f"1:{KILL_RANK + 1}"}, timeout=400)
+    check(result)
+    assert result.left_behind == []
+    records = _records(out)
+    pids = {r["rank"]: r["pid"] for r in records if r["round"] == 0}
+    assert {r["round"] for r in records} == {0, 2}  # round 1 trained no step: its peer died at its start
+    assert {(r["pid"], r["size"]) for r in records if r["round"] == 2} == {(pids[0], 1)}
+    final = _trained(records)
+    steps = sorted(final)
+    assert [len(final[s]) for s in steps] == [3] * (KILL_STEP - 1) + [1] * (len(steps) - KILL_STEP + 1)
+
+    one = tmp_path / "one"  # the reference's checkpoint of step 4, resumed on one rank
+    check(train(one, [], spec=_spec(tmp_path, one, False), nproc=1, env={"PYTHONPATH": str(HERE)}, timeout=300,
+                resume=reference / "checkpoints" / f"step-{KILL_STEP - 1:08d}"))
+    ref = {**{s: r for s, r in _trained(_records(reference)).items() if s < KILL_STEP}, **_trained(_records(one))}
+    assert sorted(ref) == steps
+    rows = [Counter(row for s in steps for r in trained[s] for row in r["rows"]) for trained in (final, ref)]
+    assert rows[0] == rows[1]  # every sample of the epoch once, as in the run that never failed
+    _same_weights(out, one)

@@ -52,3 +52,39 @@ def test_is_peer_loss(exc: BaseException, lost: bool) -> None:
 def test_group_timeout_from_horovod_variable() -> None:
     assert reform.group_timeout_s({"HOROVOD_GLOO_TIMEOUT_SECONDS": "7"}) == 7.0
     assert reform.group_timeout_s({}) == reform.DEFAULT_GROUP_TIMEOUT_S
+
+
+def test_a_round_whose_peer_is_gone_is_left_for_the_next() -> None:
+    """A second loss during a recovery: the peer of round 1 never forms its group (it died after the driver
+    published the round), so this worker's group init times out; it leaves round 1 and forms round 2, which the
+    driver publishes once the round ended."""
+    import threading
+    from types import SimpleNamespace
+
+    from polytrain.adapters.torch import elastic_group
+    from polytrain.world import World
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    keys = PrefixStore(membership.PREFIX, store)
+    slot = {"rank": 0, "local_rank": 0, "local_size": 1, "cross_rank": 0, "cross_size": 1, "hostname": "localhost"}
+    gone = {**slot, "rank": 1, "local_rank": 1}
+    keys.set("v/0", json.dumps({"size": 1, "slots": {"localhost:0": slot}}))
+    keys.set("v/1", json.dumps({"size": 2, "slots": {"localhost:0": slot, "localhost:1": gone}}))
+
+    def driver() -> None:  # round 1 ends when this worker leaves it (its peer died): round 2 without the peer
+        keys.wait(["left/1/localhost:0"], timedelta(seconds=60))
+        keys.set("v/2", json.dumps({"size": 1, "slots": {"localhost:0": slot}}))
+
+    threading.Thread(target=driver, daemon=True).start()
+    client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))  # the worker's own
+    worker = Membership(client, "localhost:0", 0, 5.0)
+    backend = SimpleNamespace(spec=SimpleNamespace(reliability=SimpleNamespace(collective_timeout_s=1.0)),
+                              membership=worker, assignment=worker.assignment(0), _owns_group=False,
+                              world=World(rank=0, size=1, launcher="polytrain-elastic"))
+    try:
+        got = elastic_group.reform(backend)
+        assert (got.version, backend.world.size, dist.get_world_size()) == (2, 1, 1)
+        assert keys.check(["left/0/localhost:0", "left/1/localhost:0"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
