@@ -79,13 +79,18 @@ def reform(backend: Any, final: bool = False) -> Assignment:
 
 def regroup(framework: Any, backend: Any, final: bool = False) -> Assignment:
     """A torch framework's reset after a lost peer: its wrapper over the old group dropped, the group re-formed
-    at the driver's next membership version (`reform`), the same module and optimizer wrapped again over it.
-    The caller loads its commit afterwards (DDP's wrapping broadcasts rank 0's weights, which it then replaces)."""
-    module, optimizer = backend.unwrap(framework.model), backend.unwrap_optimizer(framework.optimizer)
-    framework.model = None
-    optimizer.zero_grad(set_to_none=True)  # a failed step's partial gradients
+    at the driver's next membership version (`reform`), the same module and optimizer wrapped again over it —
+    or, where the backend remade the module (``alters_module``: fsdp), a fresh one of the same classes and a fresh
+    optimizer (``framework.fresh_module``). The caller loads its commit afterwards (the wrap's own broadcast of
+    rank 0's weights, or a fresh module's uninitialised ones, are then replaced)."""
+    kept = None
+    if not backend.alters_module:
+        kept = backend.unwrap(framework.model), backend.unwrap_optimizer(framework.optimizer)
+        kept[1].zero_grad(set_to_none=True)  # a failed step's partial gradients
+    framework.model = framework.optimizer = None
     backend.teardown()  # the wrapper lets go of the group (DDP's reducer holds it), and the group is destroyed
     assignment = reform(backend, final)
+    module, optimizer = kept if kept is not None else framework.fresh_module()
     framework.model, framework.optimizer = backend.wrap(module, optimizer)
     if backend.spec.compile.enabled:
         backend.compile_model(framework.model, backend.spec.compile.mode)

@@ -96,6 +96,18 @@ class TorchFramework:
         self.loss = loss_fn(self.loss_name, self.user.loss)  # one value per sample
         self.metric_fns = metric_fns(objectives.metric_names(self.spec.metrics, info.task), self.user.metrics)
 
+    def fresh_module(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """For an elastic re-form on a backend that remade the module (``alters_module``: fsdp's DTensors live on
+        the old mesh): a new module of the same classes from the outline, on the device with its tensors
+        uninitialised (the caller loads its commit), its blocks checkpointed as at the start, and a new optimizer
+        of the spec's over it; the fp16 scaler, which holds the old group on such a backend, is made anew."""
+        module = copy.deepcopy(self._result).to_empty(device=self.device)
+        if checkpointing_on(self.spec):
+            checkpoint_blocks(self.spec, module)
+        if self.precision.scaler is not None:
+            self.precision.scaler = self.backend.grad_scaler()
+        return module, make_optimizer(self.spec.optimizer, module.parameters())
+
     @property
     def scaler(self) -> Any:
         """fp16's loss scaler (None without one, or where the backend owns it): the precision's."""

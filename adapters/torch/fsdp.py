@@ -127,6 +127,14 @@ class FSDPBackend(TorchBackend):
     traces_collectives = True  # the library issues them: the timeline records each
     alters_module = True  # fully_shard turns parameters into DTensors on the job's mesh
 
+    @property
+    def in_place_refusal(self) -> str | None:
+        """Every rank's commit holds the whole (gathered) state, which a re-form shards again over a fresh module
+        (`elastic_group.regroup`); hybrid sharding's mesh follows the nodes, which a re-form may change."""
+        if self.spec.fsdp.sharding == "hybrid_shard":
+            return "fsdp.sharding: 'hybrid_shard' cannot recover in place yet; use full_shard or shard_grad_op"
+        return None
+
     def setup(self) -> None:
         # before the group: ShardedGradScaler's `process_group=group.WORLD` default is evaluated at import, and
         # would hold the group for the life of the process (see rendezvous.import_before_group)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from polytrain.errors import SpecError
 from polytrain.spec.schema import rule
 
-#: the backends whose state every rank holds whole (a commit in host memory is enough to recover); horovod on
-#: polytrain's Horovod implementation only (`polytrain.train.elastic` says so at start where real Horovod runs)
-ELASTIC_BACKENDS = ("auto", "ddp", "horovod")
+#: the backends that recover in place: ddp and horovod (every rank holds the whole state; horovod on polytrain's
+#: Horovod implementation only), fsdp (every rank's commit gathers the whole state, which a re-form shards again);
+#: what else a backend needs is its contract's `in_place_refusal`, said at start
+ELASTIC_BACKENDS = ("auto", "ddp", "horovod", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ def check_elastic(elastic: ElasticSpec, framework: str, backend: str) -> None:
         raise SpecError(f"elastic.min_np: {elastic.min_np} is more than elastic.max_np {elastic.max_np}: "
                         "the job could never start")
     if framework != "torch":
-        raise SpecError(f"elastic: in-place recovery is PyTorch's in this version (framework 'torch', backend ddp or horovod), "
-                        f"not framework {framework!r}")
+        raise SpecError(f"elastic: in-place recovery is PyTorch's in this version (framework 'torch', backend "
+                        f"{', '.join(ELASTIC_BACKENDS[1:])}), not framework {framework!r}")
     if backend not in ELASTIC_BACKENDS:
         raise SpecError(f"elastic: backend {backend!r} cannot recover in place yet; elastic runs with backend "
                         f"{' or '.join(ELASTIC_BACKENDS)}")

@@ -250,8 +250,11 @@ class Distributed(LoopSession):
         from polytrain.torch.elastic import ElasticState, take
 
         self._needs_setup("elastic_state")
-        if self._elastic and self.backend.in_place_refusal:  # sharded state, real Horovod (the contract says)
-            raise OwnLoopError(self.backend.in_place_refusal)
+        if self._elastic:  # sharded state, real Horovod (the contract says); a remade module (the script holds it)
+            refusal = self.backend.in_place_refusal or (self.backend.alters_module and (
+                f"backend: {self.backend.name!r} remakes the module; the own loop trains in place on ddp or horovod"))
+            if refusal:
+                raise OwnLoopError(refusal)
         return ElasticState(values, commit=lambda kept: take(self._loop_state(), self._updates, kept),
                             model=lambda: self._model, optimizer=self._returned)
 

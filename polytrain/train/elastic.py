@@ -10,16 +10,18 @@ driver's store (`polytrain.adapters.torch.elastic_group`), and the Trainer runs 
   replaces the last one: a failure while committing leaves the previous commit as it was.
 * **Recovery.** When a collective fails because a peer is gone (`reform.is_peer_loss`), the survivors drop the
   wrapper over the old group, release it, tell the driver and wait for its next membership version, form that
-  group in the same process, wrap the same module and optimizer again, load the commit, and go on from the
-  committed position at the new world size. The global batch stays what it was (``Steps.global_batch``), so
+  group in the same process, wrap the same module and optimizer again (fsdp: a fresh one), load the commit, and
+  go on from the committed position at the new world size. The global batch stays what it was (``Steps.global_batch``), so
   each rank's share grows and the data plan (`polytrain.data.epoch_plan`) uses every remaining sample of the
   epoch exactly once at the new size.
 * **Too few ranks.** When the driver cannot find ``--min-np`` slots within ``--elastic-timeout`` it forms a
   final round of the survivors (`polytrain.comm.membership.Assignment.final`): they load the commit, write it as a
   normal checkpoint (the run's ``checkpoint.dir``) and end with one line naming it and the driver's reason.
 
-Replicated layouts only (ddp, and horovod on polytrain's implementation): every rank's commit is the whole state. Sharded layouts, the own loop and
-TensorFlow are refused in one line (docs/DESIGN.md, "Elastic training in place", says what is left).
+Every rank's commit is the whole state: on ddp and horovod (polytrain's implementation) each rank holds it; on fsdp
+the commit gathers it (a collective), and a re-form wraps a fresh module the commit is sharded into
+(`elastic_group.regroup`). Other backends say why not through the torch contract (`in_place_refusal`), in one
+line; TensorFlow is refused by the spec (docs/DESIGN.md, "Elastic training in place", says what is left).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The Trainer keeps training in place when a rank is SIGKILLed (issue 51.5, on ddp and on horovod with polytrain's
-Horovod implementation): a 3-rank job under
+"""The Trainer keeps training in place when a rank is SIGKILLed (issue 51.5, on ddp, on horovod with polytrain's
+Horovod implementation and on fsdp, whose re-form shards the committed whole state again): a 3-rank job under
 ``polytrain launch --launcher local --elastic`` loses spawn rank 1 at the end of step 5; its two peers roll back
 to their commit of step 4 (``commit_every_n_steps: 2``), re-form the group at 2 ranks in the same processes and
 finish the epoch with the same global batch. Compared with a run that goes from 3 to 2 ranks at that commit with
@@ -80,7 +80,7 @@ def _same_weights(out: Path, ref: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+@pytest.mark.parametrize("backend", ["ddp", "horovod", "fsdp"])
 def test_a_killed_rank_costs_no_work(tmp_path: Path, reference: Path, backend: str) -> None:
     env = _env()
     out = tmp_path / "elastic"

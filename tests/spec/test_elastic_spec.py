@@ -24,7 +24,7 @@ def test_defaults_and_no_effect_on_the_digest():
     ({"elastic": {"min_np": 0}}, "elastic.min_np: 0 is out of range (must be >= 1)"),
     ({"elastic": {"max_np": 0}}, "elastic.max_np: 0 is out of range (must be >= 1)"),
     ({"elastic": {"np": 2}}, "elastic.np: unknown field"),
-    ({"elastic": {}, "backend": "fsdp"}, "elastic: backend 'fsdp' cannot recover in place yet"),
+    ({"elastic": {}, "backend": "deepspeed"}, "elastic: backend 'deepspeed' cannot recover in place yet"),
     ({"elastic": {}, "framework": "tensorflow"}, "elastic: in-place recovery is PyTorch's in this version"),
 ])
 def test_bad_tables_are_one_line(raw, expected):

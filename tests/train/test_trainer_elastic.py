@@ -172,10 +172,10 @@ def test_a_backend_that_cannot_recover_is_one_line(tmp_path):
 
     def backend_factory(spec: Any, world: World, **kw: Any) -> FakeBackend:
         job.backend = DriverBackend(spec, world, **kw)
-        job.backend.name = "fsdp"
+        job.backend.name = "deepspeed"
         return job.backend
 
     trainer = Trainer(spec, TWO, show_progress=False, backend_factory=backend_factory,
                       framework_factory=job.framework_factory)
-    with pytest.raises(SpecError, match="^backend: 'fsdp' cannot recover in place"):
+    with pytest.raises(SpecError, match="^backend: 'deepspeed' cannot recover in place"):
         trainer.fit()
