@@ -172,7 +172,7 @@ def table(doc: dict[str, Any]) -> str:
                      f"{'yes' if row['fits'] else 'no: ' + row['reason']}")
     if doc.get("elastic_commit_bytes") is not None:
         lines.append(f"elastic commits: {g(doc['elastic_commit_bytes'])} of host memory per rank (two copies of the "
-                     "model and its optimizer state; ddp and horovod train in place)")
+                     "model and its optimizer state; ddp, fsdp and horovod train in place)")
     best = doc["recommended"]
     if best is None:
         lines.append("recommended: none fits; use more ranks or devices with more memory")
