@@ -121,6 +121,7 @@ class TorchBackend:
     weights_in_precision = False
     clips_in_step = False
     owns_loss_scaler = False
+    binds_module_to_group = False
     #: an elastic worker's client of the driver's store, and its assignment (`elastic_group`); else None
     membership: Any = None
 

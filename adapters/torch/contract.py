@@ -61,6 +61,9 @@ class TorchBackendContract(Backend, Protocol):
     #: the field), or None when every rank holds the whole training state, so its own commit is enough (ddp;
     #: horovod on polytrain's implementation): the Trainer and the own loop ask this, never the name
     in_place_refusal: str | None
+    #: ``wrap`` binds the module's parameters to the job's group (FSDP2's DTensors on its mesh): an elastic re-form
+    #: wraps a fresh module of the same classes rather than the same one again (`elastic_group.regroup`)
+    binds_module_to_group: bool
 
     # ---------------------------------------------------------------- the model
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:

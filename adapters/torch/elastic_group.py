@@ -80,11 +80,11 @@ def reform(backend: Any, final: bool = False) -> Assignment:
 def regroup(framework: Any, backend: Any, final: bool = False) -> Assignment:
     """A torch framework's reset after a lost peer: its wrapper over the old group dropped, the group re-formed
     at the driver's next membership version (`reform`), the same module and optimizer wrapped again over it —
-    or, where the backend remade the module (``alters_module``: fsdp), a fresh one of the same classes and a fresh
-    optimizer (``framework.fresh_module``). The caller loads its commit afterwards (the wrap's own broadcast of
+    or, where the backend bound the module to the old group (``binds_module_to_group``: fsdp), a fresh one of the
+    same classes and a fresh optimizer (``framework.fresh_module``). The caller loads its commit afterwards (the wrap's own broadcast of
     rank 0's weights, or a fresh module's uninitialised ones, are then replaced)."""
     kept = None
-    if not backend.alters_module:
+    if not backend.binds_module_to_group:
         kept = backend.unwrap(framework.model), backend.unwrap_optimizer(framework.optimizer)
         kept[1].zero_grad(set_to_none=True)  # a failed step's partial gradients
     framework.model = framework.optimizer = None

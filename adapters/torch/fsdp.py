@@ -126,6 +126,7 @@ class FSDPBackend(TorchBackend):
     name = "fsdp"
     traces_collectives = True  # the library issues them: the timeline records each
     alters_module = True  # fully_shard turns parameters into DTensors on the job's mesh
+    binds_module_to_group = True  # ... so an elastic re-form shards a fresh module
 
     @property
     def in_place_refusal(self) -> str | None:

@@ -21,7 +21,7 @@ from polytrain.errors import SpecError
 from polytrain.plan import candidates as cand
 from polytrain.plan.activations import global_batch
 from polytrain.plan.comms import Link, compute_seconds, parse_link, predict_comms
-from polytrain.plan.memory import Precision, commit_bytes, optimizer_state_bytes, predict_memory
+from polytrain.plan.memory import Precision, optimizer_state_bytes, predict_memory
 
 DEFAULT_TFLOPS = 100.0
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -70,6 +70,13 @@ def check_numbers(world: int, nodes: int, tflops: float) -> None:
         raise SpecError(f"--nodes: {nodes} must be positive and divide -np {world} (the same ranks on every node)")
     if not tflops > 0:
         raise SpecError(f"--device-tflops: expected a positive number, got {tflops}")
+
+
+def commit_bytes(numel: int, optimizer: str, momentum: float) -> int:
+    """Host memory per rank for training in place (a spec's ``elastic`` table, `polytrain.train.elastic`): two
+    commits — the last whole one and the one being taken into the arrays of the one before — each the parameters
+    in fp32 and the optimizer's fp32 state (buffers not counted)."""
+    return 2 * numel * (4 + optimizer_state_bytes(optimizer, momentum))
 
 
 def plan(spec: Any, world: int, nodes: int, device_memory: float, link: Link, census: Any = None,

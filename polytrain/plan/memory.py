@@ -113,13 +113,6 @@ def optimizer_state_bytes(name: str, momentum: float) -> int:
     return 4 if momentum > 0 else 0
 
 
-def commit_bytes(numel: int, optimizer: str, momentum: float) -> int:
-    """Host memory per rank for training in place (a spec's ``elastic`` table, `polytrain.train.elastic`): two
-    commits — the last whole one and the one being taken into the arrays of the one before — each the parameters
-    in fp32 and the optimizer's fp32 state (buffers not counted)."""
-    return 2 * numel * (4 + optimizer_state_bytes(optimizer, momentum))
-
-
 @dataclass
 class Prediction:
     """One layout's per-rank prediction (bytes; the worst rank)."""

@@ -21,10 +21,9 @@ Pipeline parallel stays with the Trainer (refused in one line).
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,15 +36,13 @@ from polytrain.environments import detect_world
 from polytrain.loop.checkpoints import LoopState
 from polytrain.loop.session import LoopSession
 from polytrain.loop.watch import LoopWatch
+from polytrain.torch.elastic import ElasticLoop
 from polytrain.torch.errors import OwnLoopError
 from polytrain.torch.loaders import Loading, gather, sharded
 from polytrain.world import World
 
-if TYPE_CHECKING:
-    from polytrain.torch.elastic import ElasticState
 
-
-class Distributed(LoopSession):
+class Distributed(LoopSession, ElasticLoop):
     """One process's place in a distributed job, for a loop the user writes.
 
     ``backend``: a torch backend name or ``"auto"``; ``precision``: ``fp32``/``bf16``/``fp16``;
@@ -139,6 +136,10 @@ class Distributed(LoopSession):
         from polytrain.adapters.torch.framework import live_model
 
         model = live_model(model, self.backend).to(self.device)  # rank 0's weights on every rank, as fit does
+        if self.backend.binds_module_to_group:  # what an elastic re-form makes a fresh module from (meta: free)
+            from polytrain.adapters.torch.framework import outline
+
+            self._outline = outline(model)
         precision = Precision(self.spec, self.backend)
         wrapped, inner = self.backend.wrap(model, optimizer)
         if precision.dtype is not None:  # the forward in the precision asked for, its outputs in fp32
@@ -242,73 +243,6 @@ class Distributed(LoopSession):
         with self._watch.during("barrier"):
             self.backend.barrier()
 
-    # ------------------------------------------------------------------ training in place (polytrain.torch.elastic)
-    def elastic_state(self, **values: Any) -> ElasticState:
-        """A state over the model and optimizer `setup` returned and ``values`` (``epoch=0, step=0``, a scheduler,
-        ...): ``state.commit()`` keeps it in host memory; `elastic_run` goes on from the last commit after a lost
-        rank. Under polytrain's elastic driver the backend must be one that recovers in place (ddp, horovod)."""
-        from polytrain.torch.elastic import ElasticState, take
-
-        self._needs_setup("elastic_state")
-        if self._elastic:  # sharded state, real Horovod (the contract says); a remade module (the script holds it)
-            refusal = self.backend.in_place_refusal or (self.backend.alters_module and (
-                f"backend: {self.backend.name!r} remakes the module; the own loop trains in place on ddp or horovod"))
-            if refusal:
-                raise OwnLoopError(refusal)
-        return ElasticState(values, commit=lambda kept: take(self._loop_state(), self._updates, kept),
-                            model=lambda: self._model, optimizer=self._returned)
-
-    def elastic_run(self, body: Callable[..., Any]) -> Callable[..., Any]:
-        """``body(state, ...)`` made to go on in place (a decorator, as ``hvd.elastic.run``): when a rank is lost it
-        is called again with ``state`` at its last commit, on the group re-formed at the new world size."""
-        import functools
-
-        from polytrain.torch.elastic import ElasticState, run
-
-        @functools.wraps(body)
-        def wrapped(state: ElasticState, *args: Any, **kwargs: Any) -> Any:
-            if not isinstance(state, ElasticState):
-                raise OwnLoopError(f"elastic_run: the first argument must be the elastic_state, got "
-                                   f"{type(state).__name__}")
-            return run(body, state, args, kwargs, elastic=self._elastic,
-                       recover=lambda cause: self._recover(state, cause))
-        return wrapped
-
-    @property
-    def _elastic(self) -> bool:
-        """Whether this rank's group is an elastic driver's (re-formed in place after a lost rank)."""
-        return getattr(self.backend, "membership", None) is not None
-
-    def _recover(self, state: ElasticState, cause: str) -> None:
-        """Re-form the group at the driver's next version, wrap the same module and optimizer again, re-shard the
-        loaders, put the last commit back."""
-        from types import SimpleNamespace
-
-        from polytrain.adapters.torch import elastic_group
-        from polytrain.torch.elastic import put
-
-        before, old = self.world.size, self._model
-        held = SimpleNamespace(model=old, optimizer=self._optimizer, world=self.world)
-        self._model = self._optimizer = self._returned.optimizer = None
-        self._watch.activity.set("re-forming the group after a lost peer")
-        version = elastic_group.regroup(held, self.backend).version
-        if held.model is not old:  # a new wrapper: the script's old one must not run on a group that is gone
-            old.forward = _stale_forward
-            if self._precision.dtype is not None:
-                held.model.forward = self._precision.forward(held.model.forward)
-        self._model, self._optimizer = held.model, held.optimizer
-        self._returned.optimizer = held.optimizer
-        self.world = self.backend.world
-        self._watch.rank, self._watch.size = self.world.rank, self.world.size
-        for loader in self._loading.loaders:
-            loader.reshard(self.backend.data_shard)
-        self._micro, self._sync = 0, True
-        put(self._loop_state(), state.last, state.values())
-        self._updates = state.last.updates
-        self.print(f"polytrain: elastic: a peer was lost ({cause}); re-formed from {before} to {self.world.size} "
-                   f"ranks (membership version {version}), going on from the commit after step {self._updates}",
-                   file=sys.stderr)
-
     # ------------------------------------------------------------------ checkpoints (the Trainer's)
     def save(self, path: str | Path, state: Mapping[str, Any], *, keep_last: int | None = None) -> Path:
         """Write ``state`` (the set-up model and optimizer, ``step``, ``epoch``, tensors, plain values) as a
@@ -357,11 +291,6 @@ class Distributed(LoopSession):
             applied = self._precision.step(optimizer)
         self._watch.activity.set(f"the script's own code after step {self._updates}")
         return applied
-
-
-def _stale_forward(*args: Any, **kwargs: Any) -> Any:
-    raise OwnLoopError("model: this is the model of a process group an elastic recovery replaced; inside "
-                       "elastic_run use state.model")
 
 
 class _Optimizer:

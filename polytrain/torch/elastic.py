@@ -15,15 +15,21 @@ A commit is what a checkpoint would hold, in host memory, no file: the model's a
 (`full_state`, `full_optimizer_state`: new CPU tensors), the optimizer's group settings, the fp16 loss scaler, the
 RNG state, each loader's position, the count of optimizer steps, and the state's values (tensors copied to the CPU,
 objects with ``state_dict``/``load_state_dict`` by their state, anything else deep-copied). It is built whole before
-it replaces the last one. Replicated backends only (ddp, and horovod on polytrain's implementation): each rank's
-commit is the whole state. Outside the elastic driver ``elastic_run`` calls the body once and a failure propagates.
+it replaces the last one. Each rank's commit is the whole state: on ddp and horovod (polytrain's implementation)
+each rank holds it; on fsdp a commit gathers it (a collective), and a re-form wraps a fresh module of the
+same classes (`ElasticLoop._fresh_module`; the optimizer the body uses is then a new one of the same class and
+settings: a scheduler the script made over the old one must be made again). Outside the elastic driver
+``elastic_run`` calls the body once and a failure propagates.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -183,3 +189,83 @@ def run(body: Callable[..., Any], state: ElasticState, args: tuple[Any, ...], kw
             text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         # here the exception, its traceback and the frames they hold (losses, Work handles) are gone
         recover(text)
+
+
+def _stale_forward(*args: Any, **kwargs: Any) -> Any:
+    raise OwnLoopError("model: this is the model of a process group an elastic recovery replaced; inside "
+                       "elastic_run use state.model")
+
+
+class ElasticLoop:
+    """`Distributed`'s training in place: `elastic_state`, `elastic_run` and the recovery (a part of the class,
+    kept here with the commits it works on)."""
+
+    def elastic_state(self: Any, **values: Any) -> ElasticState:
+        """A state over the model and optimizer `setup` returned and ``values`` (``epoch=0, step=0``, a scheduler,
+        ...): ``state.commit()`` keeps it in host memory; `elastic_run` goes on from the last commit after a lost
+        rank. Under polytrain's elastic driver the backend must be one that recovers in place (ddp, fsdp,
+        horovod)."""
+        self._needs_setup("elastic_state")
+        if self._elastic and self.backend.in_place_refusal:  # sharded layouts, real Horovod (the contract says)
+            raise OwnLoopError(self.backend.in_place_refusal)
+        return ElasticState(values, commit=lambda kept: take(self._loop_state(), self._updates, kept),
+                            model=lambda: self._model, optimizer=self._returned)
+
+    def elastic_run(self: Any, body: Callable[..., Any]) -> Callable[..., Any]:
+        """``body(state, ...)`` made to go on in place (a decorator, as ``hvd.elastic.run``): when a rank is lost it
+        is called again with ``state`` at its last commit, on the group re-formed at the new world size."""
+
+        @functools.wraps(body)
+        def wrapped(state: ElasticState, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(state, ElasticState):
+                raise OwnLoopError(f"elastic_run: the first argument must be the elastic_state, got "
+                                   f"{type(state).__name__}")
+            return run(body, state, args, kwargs, elastic=self._elastic,
+                       recover=lambda cause: self._recover(state, cause))
+        return wrapped
+
+    @property
+    def _elastic(self: Any) -> bool:
+        """Whether this rank's group is an elastic driver's (re-formed in place after a lost rank)."""
+        return getattr(self.backend, "membership", None) is not None
+
+    def _fresh_module(self: Any, old: nn.Module, optimizer: torch.optim.Optimizer
+                      ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A new module of ``old``'s classes (from the outline `setup` kept, its tensors uninitialised: the commit
+        fills them) and the same optimizer's class and settings over it, for a backend that bound the module to
+        the old group (``binds_module_to_group``)."""
+        from polytrain.adapters.torch.backend import rebuilt_optimizer
+
+        module = copy.deepcopy(self._outline).to_empty(device=self.device)
+        names = {id(p): n for n, p in old.named_parameters()}
+        return module, rebuilt_optimizer(optimizer, names, module)
+
+    def _recover(self: Any, state: ElasticState, cause: str) -> None:
+        """Re-form the group at the driver's next version, wrap the module and optimizer again (fresh ones where
+        the backend remade them), re-shard the loaders, put the last commit back."""
+        from polytrain.adapters.torch import elastic_group
+
+        before, old, optimizer = self.world.size, self._model, self._optimizer
+        held = SimpleNamespace(model=old, optimizer=optimizer, world=self.world,
+                               fresh_module=lambda: self._fresh_module(old, optimizer))
+        self._model = self._optimizer = self._returned.optimizer = None
+        self._watch.activity.set("re-forming the group after a lost peer")
+        version = elastic_group.regroup(held, self.backend).version
+        if held.model is not old:  # a new wrapper or module: the script's old one must not run on a group gone
+            old.forward = _stale_forward
+            if self._precision.dtype is not None:
+                held.model.forward = self._precision.forward(held.model.forward)
+        if self._precision.scaler is not None and self.backend.binds_module_to_group:  # its scaler holds the group
+            self._precision.scaler = self.backend.grad_scaler()
+        self._model, self._optimizer = held.model, held.optimizer
+        self._returned.optimizer = held.optimizer
+        self.world = self.backend.world
+        self._watch.rank, self._watch.size = self.world.rank, self.world.size
+        for loader in self._loading.loaders:
+            loader.reshard(self.backend.data_shard)
+        self._micro, self._sync = 0, True
+        put(self._loop_state(), state.last, state.values())
+        self._updates = state.last.updates
+        self.print(f"polytrain: elastic: a peer was lost ({cause}); re-formed from {before} to {self.world.size} "
+                   f"ranks (membership version {version}), going on from the commit after step {self._updates}",
+                   file=sys.stderr)

@@ -1,5 +1,5 @@
-"""A hand-written loop keeps training in place when a rank is SIGKILLed (issue 51, items 4 and 5, on ddp and on
-horovod with polytrain's Horovod implementation):
+"""A hand-written loop keeps training in place when a rank is SIGKILLed (issue 51, items 4 and 5, on ddp, on
+horovod with polytrain's Horovod implementation and on fsdp, whose re-form shards the commit into a fresh module):
 tests/multiproc/elastic_loop_worker.py on 3 ranks under ``polytrain launch --launcher local --elastic`` loses spawn
 rank 1 right after step 3; the two survivors roll back to their commit of step 2, re-form the group at 2 ranks in
 the same processes and go on with the same global batch of 9 (shares of 5 and 4, each rank's loss weighted by its
@@ -41,7 +41,7 @@ def _trained(records: list[dict]) -> dict[int, list[dict]]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+@pytest.mark.parametrize("backend", ["ddp", "horovod", "fsdp"])
 def test_an_own_loop_goes_on_in_place_after_a_killed_rank(tmp_path: Path, backend: str) -> None:
     sys.path.insert(0, str(HERE))
     import elastic_loop_worker as worker
