@@ -1,9 +1,10 @@
 """Training in place against a restart: the time from a SIGKILLed rank to the next trained step, the steps trained
 again, and the steady-state cost of the commits (issue 51's figures).
 
-Run:  python bench/elastic_recovery.py [--kill-after 25] [--every 10] [--horovod]   (~4 min on 2 cores)
+Run:  python bench/elastic_recovery.py [--kill-after 25] [--every 10] [--backend ddp|fsdp] [--horovod]
+      (~4 min on 2 cores)
 
-One job, 3 ranks of ddp on loopback: the digits data on a wider MLP (hidden [512, 512]), a global batch of 96,
+One job, 3 ranks of ddp (or ``--backend fsdp``) on loopback: the digits data on a wider MLP (hidden [512, 512]), a global batch of 96,
 every step logged. Once the job has logged step ``--kill-after`` (not a multiple of ``--every``), the bench
 SIGKILLs the process of rank 1 and times how long until the job logs a step it had logged before: the first step
 trained after the recovery (a step logged right after the kill may have been trained before it).
@@ -50,9 +51,9 @@ BIN = Path(sys.executable).parent
 HOSTS = "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
 
 
-def spec(root: Path, name: str, every: int | None, elastic: bool) -> tuple[Path, Path]:
+def spec(root: Path, name: str, every: int | None, elastic: bool, backend: str = "ddp") -> tuple[Path, Path]:
     out = root / name
-    table = {"framework": "torch", "backend": "ddp", "model": {"name": "mlp", "params": {"hidden_sizes": [512, 512]}},
+    table = {"framework": "torch", "backend": backend, "model": {"name": "mlp", "params": {"hidden_sizes": [512, 512]}},
              "data": {"name": "digits", "global_batch_size": 96}, "loop": {"epochs": 1000, "log_every_n_steps": 1},
              "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "output": str(out)}
     if elastic:
@@ -209,6 +210,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kill-after", type=int, default=25)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--backend", choices=("ddp", "fsdp"), default="ddp", help="the Trainer's backend")
     parser.add_argument("--horovod", action="store_true", help="a Horovod elastic script instead of the Trainer")
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "EVERY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -229,7 +231,7 @@ def main() -> None:
                             *program], out
                 return [str(BIN / "torchrun"), "--nproc_per_node=3", "--max-restarts=1", "--master_addr=127.0.0.1",
                         f"--master_port={free_port()}", *program], out
-            path, out = spec(root, name, every, elastic)
+            path, out = spec(root, name, every, elastic, args.backend)
             if elastic:
                 return [*cli, "launch", "--launcher", "local", "--elastic", "-np", "3", "--min-np", "2", "-H", HOSTS,
                         str(path)], out
