@@ -136,7 +136,7 @@ class Distributed(LoopSession, ElasticLoop):
         from polytrain.adapters.torch.framework import live_model
 
         model = live_model(model, self.backend).to(self.device)  # rank 0's weights on every rank, as fit does
-        if self.backend.binds_module_to_group:  # what an elastic re-form makes a fresh module from (meta: free)
+        if self._elastic and self.backend.binds_module_to_group:  # what a re-form makes a fresh module from
             from polytrain.adapters.torch.framework import outline
 
             self._outline = outline(model)
