@@ -7,7 +7,8 @@ training (re)started in it (``on_train_start``: once, then once after each recov
 with ``ELASTIC_TEST_KILL=STEP:RANK`` the process spawned as rank RANK (``HOROVOD_RANK``, never rewritten)
 SIGKILLs itself at the end of step STEP, once its rows are written; with ``ELASTIC_TEST_KILL_AT_START=ROUND:RANK``
 the process spawned as rank RANK SIGKILLs itself when training starts for the ROUND-th time in it (after that
-many recoveries: the group is re-formed, the commit loaded, no step trained yet).
+many recoveries: the group is re-formed, the commit loaded, no step trained yet). `last_trained`: the tests' reading
+of such records.
 """
 
 from __future__ import annotations
@@ -63,3 +64,16 @@ class Samples:
             out.write(json.dumps(record) + "\n")
         if self.kill == (step, int(os.environ.get("HOROVOD_RANK", "-1"))):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def last_trained(records: list[dict]) -> dict[int, list[dict]]:
+    """Each step's records (as `Samples` and tests/multiproc/elastic_loop_worker.py write them) from the last time
+    it was trained: a step redone after a rollback counts once."""
+    last: dict[int, int] = {}
+    for r in records:
+        last[r["step"]] = max(last.get(r["step"], -1), r["round"])
+    out: dict[int, list[dict]] = {}
+    for r in records:
+        if r["round"] == last[r["step"]]:
+            out.setdefault(r["step"], []).append(r)
+    return out

@@ -28,23 +28,12 @@ KILL_STEP, KILL_RANK = 3, 1
 HOSTS = "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
 
 
-def _trained(records: list[dict]) -> dict[int, list[dict]]:
-    """Each step's records from the last time it was trained (a step redone after the rollback counts once)."""
-    last: dict[int, int] = {}
-    for r in records:
-        last[r["step"]] = max(last.get(r["step"], -1), r["round"])
-    out: dict[int, list[dict]] = {}
-    for r in records:
-        if r["round"] == last[r["step"]]:
-            out.setdefault(r["step"], []).append(r)
-    return out
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("backend", ["ddp", "horovod", "fsdp"])
 def test_an_own_loop_goes_on_in_place_after_a_killed_rank(tmp_path: Path, backend: str) -> None:
     sys.path.insert(0, str(HERE))
     import elastic_loop_worker as worker
+    from multiproc.elastic_parts import last_trained
     from torch.utils.data import TensorDataset
     from torch.utils.data.distributed import DistributedSampler
 
@@ -62,7 +51,7 @@ def test_an_own_loop_goes_on_in_place_after_a_killed_rank(tmp_path: Path, backen
     assert len(pids) == 3
     # the survivors went on in the processes they were: none was started for them
     assert {r["pid"] for r in records if r["round"] == 1} == {pids[0], pids[2]}
-    final = _trained(records)
+    final = last_trained(records)
     steps = sorted(final)
     per_epoch = -(-worker.N // (worker.BATCH * 3))
     assert steps == list(range(1, 2 * per_epoch + 1))

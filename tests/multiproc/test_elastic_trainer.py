@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from multiproc.elastic_parts import last_trained as _trained
 from procs import check, loopback_env, run, train
 from safetensors.numpy import load_file
 
@@ -38,18 +39,6 @@ def _spec(tmp_path: Path, out: Path, elastic: bool, backend: str = "ddp", min_np
 
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-
-
-def _trained(records: list[dict]) -> dict[int, list[dict]]:
-    """Each step's records from the last time it was trained (a step redone after a rollback counts once)."""
-    last = {}
-    for r in records:
-        last[r["step"]] = max(last.get(r["step"], -1), r["round"])
-    out: dict[int, list[dict]] = {}
-    for r in records:
-        if r["round"] == last[r["step"]]:
-            out.setdefault(r["step"], []).append(r)
-    return out
 
 
 @pytest.fixture(scope="module")
