@@ -81,8 +81,8 @@ def regroup(framework: Any, backend: Any, final: bool = False) -> Assignment:
     """A torch framework's reset after a lost peer: its wrapper over the old group dropped, the group re-formed
     at the driver's next membership version (`reform`), the same module and optimizer wrapped again over it —
     or, where the backend bound the module to the old group (``binds_module_to_group``: fsdp), a fresh one of the
-    same classes and a fresh optimizer (``framework.fresh_module``). The caller loads its commit afterwards (the wrap's own broadcast of
-    rank 0's weights, or a fresh module's uninitialised ones, are then replaced)."""
+    same classes and a fresh optimizer (``framework.fresh_module``). The caller loads its commit afterwards (the
+    wrap's own broadcast of rank 0's weights, or a fresh module's uninitialised ones, are then replaced)."""
     kept = None
     if not backend.binds_module_to_group:
         kept = backend.unwrap(framework.model), backend.unwrap_optimizer(framework.optimizer)

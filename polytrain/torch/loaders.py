@@ -27,8 +27,8 @@ class BatchPlace:
     even out the ranks' shares (None: there are none, the sampler drops the tail). ``weight``: what `backward`
     multiplies this rank's loss by so that the ranks' average is the mean over the step's samples — 1 unless the
     ranks' shares of a step differ (a pass at a world size the global batch does not divide, after an elastic
-    recovery): then ``rows · world / step samples`` (0 for a rank holding only a copy). ``size``: the step's samples when
-    the world does not divide the global batch (a rank's places from it on are copies); None otherwise."""
+    recovery): then ``rows · world / step samples`` (0 for a rank holding only a copy). ``size``: the step's
+    samples when the world does not divide the global batch (a rank's places from it on are copies); else None."""
 
     total: int | None
     world: int

@@ -75,7 +75,7 @@ def test_a_pass_goes_on_at_another_world_size_with_every_sample_once(shuffle: bo
 
 
 def test_the_plan_of_a_rest_keeps_the_global_batch() -> None:
-    """7 samples left, a global batch of 6, 4 ranks: steps of 6 and 1; shares 2,2,1,1 then 1,0,0,0 (copies, weight 0)."""
+    """7 samples left, a global batch of 6, 4 ranks: steps of 6 and 1; shares 2,2,1,1, then 1,0,0,0 (copies: 0)."""
     plans = [rest_plan(7, 6, 4, rank, False) for rank in range(4)]
     assert [[len(p[0]) for p in plan] for plan in plans] == [[2, 1], [2, 1], [1, 1], [1, 1]]
     assert [[p[2] for p in plan] for plan in plans] == [[4 * 2 / 6, 4.0], [4 * 2 / 6, 0.0], [4 / 6, 0.0],
