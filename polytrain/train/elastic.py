@@ -12,8 +12,8 @@ driver's store (`polytrain.adapters.torch.elastic_group`), and the Trainer runs 
   wrapper over the old group, release it, tell the driver and wait for its next membership version, form that
   group in the same process, wrap the same module and optimizer again (fsdp: a fresh one), load the commit, and
   go on from the committed position at the new world size. The global batch stays what it was
-  (``Steps.global_batch``), so each rank's share grows and the data plan (`polytrain.data.epoch_plan`) uses every remaining sample of the
-  epoch exactly once at the new size.
+  (``Steps.global_batch``), so each rank's share grows and the data plan (`polytrain.data.epoch_plan`) uses
+  every remaining sample of the epoch exactly once at the new size.
 * **Too few ranks.** When the driver cannot find ``--min-np`` slots within ``--elastic-timeout`` it forms a
   final round of the survivors (`polytrain.comm.membership.Assignment.final`): they load the commit, write it as a
   normal checkpoint (the run's ``checkpoint.dir``) and end with one line naming it and the driver's reason.
