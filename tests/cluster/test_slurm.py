@@ -157,8 +157,12 @@ def test_a_preempted_job_is_requeued_and_ends_on_the_uninterrupted_weights(
     assert after and after[0] > stop and after == sorted(set(after)), after  # none twice
     got, ref = read_model(out)[0], read_model(reference)[0]
     assert sorted(got) == sorted(ref)
+    # 4 ranks: a resumed run need not sum each gradient's four parts in the straight run's order (a fresh DDP
+    # reducer buckets its first step in another order than the rebuilt buckets of a long run), so its weights may
+    # differ in the last bits (measured here: up to 3e-7 after 60 steps, under torchrun on one host as under srun;
+    # 0 with 2 ranks, one addition per element); a lost or repeated step moves them by orders of magnitude more
     for key in ref:
-        np.testing.assert_allclose(got[key], ref[key], rtol=1e-6, atol=1e-7, err_msg=key)
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
     trained(out, 4, "ddp")
     assert slurm.wait_no_processes(30) == {}, "processes left on the hosts"
 
