@@ -5,9 +5,10 @@ Run:  python bench/elastic_recovery.py [--kill-after 25] [--every 10] [--backend
       (~4 min on 2 cores)
 
 One job, 3 ranks of ddp (or ``--backend fsdp``) on loopback: the digits data on a wider MLP (hidden [512, 512]),
-a global batch of 96, every step logged. Once the job has logged step ``--kill-after`` (not a multiple of ``--every``), the bench
-SIGKILLs the process of rank 1 and times how long until the job logs a step it had logged before: the first step
-trained after the recovery (a step logged right after the kill may have been trained before it).
+a global batch of 96, every step logged. Once the job has logged step ``--kill-after`` (not a multiple of
+``--every``), the bench SIGKILLs the process of rank 1 and times how long until the job logs a step it had logged
+before: the first step trained after the recovery (a step logged right after the kill may have been trained
+before it).
 
 - in place: ``polytrain launch --launcher local --elastic`` (each rank on a loopback host of its own), a commit
   every ``--every`` steps: the two survivors roll back to their last commit and go on at 2 ranks;

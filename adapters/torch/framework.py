@@ -99,8 +99,9 @@ class TorchFramework:
     def fresh_module(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """For an elastic re-form on a backend that bound the module to its group (``binds_module_to_group``: fsdp's
         DTensors live on the old mesh): a new module of the same classes from the outline, on the device with its
-        tensors uninitialised (the caller loads its commit), its blocks checkpointed as at the start, and a new optimizer
-        of the spec's over it; the fp16 scaler, which holds the old group on such a backend, is made anew."""
+        tensors uninitialised (the caller loads its commit), its blocks checkpointed as at the start, and a new
+        optimizer of the spec's over it; the fp16 scaler, which holds the old group on such a backend, is made
+        anew."""
         module = copy.deepcopy(self._result).to_empty(device=self.device)
         if checkpointing_on(self.spec):
             checkpoint_blocks(self.spec, module)

@@ -124,8 +124,7 @@ def release() -> None:
 def next_round(membership: Membership, version: int, final: bool = False) -> Assignment | None:
     """Steps 3-4 after the holders are dropped: release the group, leave round ``version``, wait for the driver's
     next; this worker's assignment there, None when it is left out (``final``: `Membership.next`'s). Raises
-    `JobEnded` when the driver ended the
-    job instead (each caller says it in its own way)."""
+    `JobEnded` when the driver ended the job instead (each caller says it in its own way)."""
     release()
     membership.leave(version)
     return membership.next(version, final=final)

@@ -53,9 +53,8 @@ class Loading:
 def rest_plan(n: int, global_batch: int, world: int, rank: int,
               drop_last: bool) -> list[tuple[list[int], int, float, int]]:
     """This rank's batches over ``n`` samples still to use in a pass, each step taking the next ``global_batch``
-    of them, rank r every world-th from the step's r-th: (places, the step's first place, weight) per batch.
-    When ``world`` divides the global batch the places run past ``n`` as `DistributedSampler` pads (copies, so
-    every share is equal, weight 1); else the shares differ by one and each rank's loss is weighted by its share
+    of them, rank r every world-th from the step's r-th. When ``world`` divides the global batch the places run
+    past ``n`` as `DistributedSampler` pads (copies, so every share is equal, weight 1); else the shares differ by one and each rank's loss is weighted by its share
     (a rank left without a sample in a short last step holds one copy, weighted 0). ``drop_last``: a short last
     step is dropped. Per batch: (places, the step's first place, weight, the step's length)."""
     even = global_batch % world == 0
@@ -121,13 +120,18 @@ class EpochLoader:
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self._pending or (self.epoch, 0)
         self._pending, self.epoch = None, epoch + 1
-        standard = start == 0 and self.global_batch % self.shard.count == 0
         try:
-            for batch, place, covered in (self._standard(epoch) if standard else self._rest(epoch, start)):
+            passes = self._standard(epoch) if self._sampled(start) else self._rest(epoch, start)
+            for batch, place, covered in passes:
                 self.open, self.loading.place = (epoch, covered), place
                 yield batch
         finally:  # ended, or left (a break, an error): the next pass is the next epoch's
             self.open = self.loading.place = None
+
+    def _sampled(self, start: int) -> bool:
+        """Whether a pass from sample ``start`` is the `DistributedSampler` pass (`loader`): from an epoch's start, on
+        a world that divides the global batch."""
+        return start == 0 and self.global_batch % self.shard.count == 0
 
     def _standard(self, epoch: int) -> Iterator[tuple[Any, BatchPlace, int]]:
         sampler = self.loader.sampler
@@ -162,8 +166,8 @@ class EpochLoader:
             yield batch, place, start + min(base + self.global_batch, n)
 
     def __len__(self) -> int:
-        epoch, start = self._pending or (self.epoch, 0)
-        if start == 0 and self.global_batch % self.shard.count == 0:
+        start = (self._pending or (self.epoch, 0))[1]
+        if self._sampled(start):
             return len(self.loader)
         n = len(self.source.dataset) - start
         return len(rest_plan(max(n, 0), self.global_batch, self.shard.count, self.shard.index, self.source.drop_last))

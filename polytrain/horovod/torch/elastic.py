@@ -13,7 +13,8 @@ tensors are stored in it): committed plain values must be numbers, strings, None
 arrays, or lists/tuples/dicts of them.
 Under polytrain's elastic driver (``polytrain launch --launcher horovodrun --min-np ...`` without real Horovod)
 the group is re-formed in the same processes instead (`elastic_world`): survivors keep training, new hosts
-join at a commit (HostsUpdatedInterrupt), and no commit file is written (nothing would read it). This is the shim's module: with real Horovod, ``hvd.elastic`` is
+join at a commit (HostsUpdatedInterrupt), and no commit file is written (nothing would read it). This is the
+shim's module: with real Horovod, ``hvd.elastic`` is
 ``horovod.torch.elastic``.
 """
 
